@@ -1,0 +1,69 @@
+"""Typed errors of kvtier.
+
+Hierarchy::
+
+    KvtierError
+    ├── InvalidTokensError        token ids that cannot be hashed (negative, too large, not ints)
+    ├── EventDecodeError          a KV event payload that does not decode to an EventBatch
+    ├── ResidencyError            the residency index failed
+    │   └── ResidencyUnavailable  the backing store (Redis) is down, slow or refused the call
+    ├── OffloadError              the tiering manager was used against its contract
+    │   ├── PoolExhausted         no page can be freed: the store is refused (and counted)
+    │   └── UnknownKey            a key that the pool or tier does not hold
+    └── P2PError                  peer transport failures
+        ├── HandshakeRefused      version, fingerprint or authentication mismatch
+        ├── ProtocolError         a malformed or unexpected frame
+        └── FetchFailed           demanded blocks could not be delivered
+
+Each boundary translates foreign exceptions into these (``raise X(...) from exc``).
+"""
+
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base of every error kvtier raises on purpose."""
+
+
+class InvalidTokensError(KvtierError, ValueError):
+    """Token ids that cannot be hashed."""
+
+
+class EventDecodeError(KvtierError, ValueError):
+    """A KV event payload that is not a valid EventBatch."""
+
+
+class ResidencyError(KvtierError):
+    """The residency index failed."""
+
+
+class ResidencyUnavailable(ResidencyError):
+    """The index's backing store is down, slow past its deadline, or refused the call."""
+
+
+class OffloadError(KvtierError):
+    """The tiering manager was used against its contract."""
+
+
+class PoolExhausted(OffloadError):
+    """No page could be freed for a store; the store is refused and counted."""
+
+
+class UnknownKey(OffloadError, KeyError):
+    """A key that the pool or tier does not hold."""
+
+
+class P2PError(KvtierError):
+    """Peer transport failure."""
+
+
+class HandshakeRefused(P2PError):
+    """The peer refused the handshake (version, layout fingerprint or authentication)."""
+
+
+class ProtocolError(P2PError):
+    """A malformed or unexpected frame."""
+
+
+class FetchFailed(P2PError):
+    """Demanded blocks could not be delivered."""

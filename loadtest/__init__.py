@@ -1,0 +1,1 @@
+"""Benchmarks and load generators (run as modules: ``python -m loadtest.<name>``)."""

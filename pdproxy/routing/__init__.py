@@ -1,0 +1,1 @@
+"""Routing: choose producer and consumer backends for a request."""

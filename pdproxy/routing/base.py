@@ -1,0 +1,106 @@
+"""The contract between the request path and a router.
+
+The request path (``pdproxy.app``) builds a :class:`RouteRequest`, asks the router for a
+:class:`RouteDecision`, tries the ranked candidates in order (retries and failover walk down the
+lists), and calls :meth:`Router.finished` exactly once per decision, whatever happened. Simple
+routers (round-robin, least-loaded) and the KV-aware router implement the same protocol, so the
+request path never changes when the router does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+
+class Role(StrEnum):
+    PRODUCER = "producer"
+    CONSUMER = "consumer"
+    BOTH = "both"
+
+
+class BackendView(Protocol):
+    """What a router may read of a backend; the backend registry owns the object."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def role(self) -> Role: ...
+
+    @property
+    def routable(self) -> bool:
+        """Healthy, breaker not open, not draining."""
+        ...
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this proxy has in flight on the backend."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    request_id: str
+    endpoint: str
+    """``"completions"`` or ``"chat"``."""
+    body: Mapping[str, Any]
+    """The client's parsed JSON body; read-only for routers."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    consumers: Sequence[BackendView]
+    """Ranked consumer candidates; the first is the choice, the rest are failover targets."""
+    producers: Sequence[BackendView]
+    """Ranked producer candidates; empty means send the request to the consumer alone."""
+    reason: str = ""
+    """Short human-readable why (e.g. ``"kv-prefix"``, ``"short-suffix"``, ``"round-robin"``)."""
+    explain: Mapping[str, Any] = field(default_factory=dict)
+    """Candidates' scores for the opt-in debug header and debug log."""
+    predicted_cached_tokens: int | None = None
+    """Tokens the router expects the chosen consumer to find cached (for drift telemetry)."""
+    prompt_tokens: int | None = None
+    route_time_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """What the request path reports back when a decision's request is over."""
+
+    producer: str | None
+    """Name of the producer that served the producer leg (None: none did)."""
+    consumer: str | None
+    ok: bool
+    cached_tokens: int | None = None
+    """``usage.prompt_tokens_details.cached_tokens`` from the consumer, when it reported one."""
+
+
+class NoBackendAvailable(Exception):
+    """No routable consumer exists (the request path answers 503)."""
+
+
+class Router(Protocol):
+    async def start(self) -> None:
+        """Start background work (event subscriptions, refreshers)."""
+        ...
+
+    async def route(
+        self,
+        request: RouteRequest,
+        producers: Sequence[BackendView],
+        consumers: Sequence[BackendView],
+    ) -> RouteDecision:
+        """Rank routable candidates. Raises :class:`NoBackendAvailable` when none can serve."""
+        ...
+
+    async def finished(self, decision: RouteDecision, outcome: RequestOutcome) -> None:
+        """Called exactly once per decision; must not raise."""
+        ...
+
+    async def close(self) -> None: ...
