@@ -9,7 +9,8 @@ Hierarchy::
     │   └── ResidencyUnavailable  the backing store (Redis) is down, slow or refused the call
     ├── OffloadError              the tiering manager was used against its contract
     │   ├── PoolExhausted         no page can be freed: the store is refused (and counted)
-    │   └── UnknownKey            a key that the pool or tier does not hold
+    │   ├── UnknownKey            a key that the pool or tier does not hold
+    │   └── PageCopyError         a GPU↔host page copy job failed or missed its deadline
     └── P2PError                  peer transport failures
         ├── HandshakeRefused      version, fingerprint or authentication mismatch
         ├── ProtocolError         a malformed or unexpected frame
@@ -51,6 +52,10 @@ class PoolExhausted(OffloadError):
 
 class UnknownKey(OffloadError, KeyError):
     """A key that the pool or tier does not hold."""
+
+
+class PageCopyError(OffloadError):
+    """A GPU↔host page copy job failed or did not finish before its deadline."""
 
 
 class P2PError(KvtierError):
