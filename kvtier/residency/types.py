@@ -41,7 +41,12 @@ class ResidencyIndex(Protocol):
     """
 
     async def apply(self, node: NodeId, batch: object) -> None:
-        """Apply one ``kvtier.events.EventBatch`` published by ``node``."""
+        """Apply one ``kvtier.events.EventBatch`` published by ``node``.
+
+        Engine block hashes are translated to router hashes from the events' token ids
+        (``kvtier.residency.translate``); ``AllBlocksCleared`` drops the node's residency and
+        predictions.
+        """
         ...
 
     async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
@@ -57,7 +62,9 @@ class ResidencyIndex(Protocol):
         ...
 
     async def nodes(self) -> list[NodeId]:
-        """Nodes the index holds any entry for."""
+        """Nodes the index knows: those with events applied or predictions made since they
+        were last forgotten (a node whose engine cleared its cache stays known, holding
+        nothing)."""
         ...
 
     async def close(self) -> None:

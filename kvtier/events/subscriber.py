@@ -1,0 +1,251 @@
+"""Async ZMQ subscriber for KV event batches: in-order delivery, gap replay, restart detection.
+
+Give it an engine's PUB endpoint (and its ROUTER replay endpoint) and two callbacks::
+
+    sub = EventSubscriber(pub, replay, on_batch=lambda b: index.apply(node, b),
+                          on_reset=lambda: index.forget(node))
+    await sub.start()
+    ...
+    await sub.close()
+
+Batches reach ``on_batch`` once each, in sequence order. On start, and whenever a sequence
+number is skipped, the subscriber asks the replay socket for everything from the first
+missing sequence. When events are lost for good (no replay socket, the replay buffer no longer
+holds them, the replay timed out, or the publisher restarted and its sequence went back)
+``on_reset`` is awaited first: the receiver's view of that engine can no longer be trusted.
+Malformed messages are counted in :attr:`EventSubscriber.stats` and skipped; a callback that
+raises is logged and counted. Nothing a publisher sends stops the subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from kvtier.errors import EventDecodeError
+from kvtier.events.codec import decode_batch
+from kvtier.events.publisher import END_OF_REPLAY, SEQ_BYTES, seq_frame
+from kvtier.events.types import EventBatch
+
+logger = logging.getLogger(__name__)
+
+OnBatch = Callable[[EventBatch], Awaitable[None]]
+OnReset = Callable[[], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    """Counters of one subscriber (read them any time; they only grow)."""
+
+    received: int = 0
+    """Well-formed live messages received on the SUB socket."""
+    delivered: int = 0
+    """Batches handed to ``on_batch`` (live and replayed)."""
+    gaps: int = 0
+    """Times a live sequence number skipped ahead of the next expected one."""
+    replayed: int = 0
+    """Batches delivered from replay answers."""
+    duplicates: int = 0
+    """Live messages skipped because replay had delivered them already."""
+    malformed: int = 0
+    """Messages skipped: wrong frame count, bad sequence frame, or undecodable payload."""
+    resets: int = 0
+    """Unrecoverable losses and publisher restarts (each awaited ``on_reset``)."""
+    handler_errors: int = 0
+    """Exceptions raised by ``on_batch`` / ``on_reset`` (logged, then ignored)."""
+
+
+class EventSubscriber:
+    """Subscribes to one publisher; see the module docstring for the delivery guarantees."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        on_batch: OnBatch,
+        on_reset: OnReset | None = None,
+        topic: str = "",
+        replay_timeout_s: float = 1.0,
+        rcvhwm: int = 100_000,
+        start_seq: int = 0,
+        name: str = "",
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._on_batch = on_batch
+        self._on_reset = on_reset
+        self._topic = topic.encode("utf-8")
+        self._replay_timeout_s = replay_timeout_s
+        self._rcvhwm = rcvhwm
+        self._expected = start_seq
+        self._replayed_upto = -1
+        self._name = name or endpoint
+        self._given_ctx = context
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.stats = SubscriberStats()
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the subscriber expects next."""
+        return self._expected
+
+    @property
+    def running(self) -> bool:
+        """Started, not closed, and its receive loop has not died (a crash is logged)."""
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        """Connect, catch up from the replay socket, then follow the live stream."""
+        if self._sub is not None or self._closed:
+            raise RuntimeError("subscriber already started or closed")
+        ctx = self._ctx = self._given_ctx or zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        self._sub = sub
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sub.connect(self.endpoint)
+        self._task = asyncio.create_task(self._run(sub), name=f"kv-events-sub {self._name}")
+        self._task.add_done_callback(self._log_crash)
+
+    async def close(self) -> None:
+        """Stop receiving and release the sockets (idempotent)."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
+        if self._ctx is not None and self._given_ctx is None:
+            self._ctx.term()
+        self._ctx = None
+
+    async def __aenter__(self) -> EventSubscriber:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _log_crash(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("KV event subscriber %s stopped", self._name, exc_info=task.exception())
+
+    async def _run(self, sub: zmq.asyncio.Socket) -> None:
+        if self.replay_endpoint is not None:
+            await self._replay_from_expected()
+        while True:
+            frames = await sub.recv_multipart()
+            parsed = self._parse(frames)
+            if parsed is None:
+                continue
+            seq, payload = parsed
+            self.stats.received += 1
+            if seq < self._expected:
+                if seq <= self._replayed_upto:
+                    self.stats.duplicates += 1
+                    continue
+                await self._reset(f"sequence went back from {self._expected} to {seq}")
+                self._expected = 0
+            if seq > self._expected:
+                self.stats.gaps += 1
+                logger.info("KV events from %s: gap %d..%d", self._name, self._expected, seq - 1)
+                if self.replay_endpoint is not None:
+                    await self._replay_from_expected()
+                if seq < self._expected:
+                    continue  # the replay delivered it
+                if seq > self._expected:
+                    await self._reset(f"batches {self._expected}..{seq - 1} are lost")
+                    self._expected = seq
+            self._replayed_upto = -1
+            await self._deliver(seq, payload)
+
+    def _parse(self, frames: list[bytes]) -> tuple[int, bytes] | None:
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            self.stats.malformed += 1
+            logger.warning("KV events from %s: malformed message skipped", self._name)
+            return None
+        if frames[0] != self._topic and self._topic:
+            return None  # a longer topic that merely shares our prefix
+        return int.from_bytes(frames[1], "big"), frames[2]
+
+    async def _deliver(self, seq: int, payload: bytes) -> None:
+        self._expected = seq + 1
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            self.stats.malformed += 1
+            logger.warning("KV events from %s: seq %d skipped: %s", self._name, seq, exc)
+            return
+        try:
+            await self._on_batch(batch)
+        except Exception:
+            self.stats.handler_errors += 1
+            logger.exception("KV events from %s: handler failed on seq %d", self._name, seq)
+        self.stats.delivered += 1
+
+    async def _reset(self, reason: str) -> None:
+        self.stats.resets += 1
+        logger.warning("KV events from %s: %s; resetting", self._name, reason)
+        if self._on_reset is None:
+            return
+        try:
+            await self._on_reset()
+        except Exception:
+            self.stats.handler_errors += 1
+            logger.exception("KV events from %s: reset handler failed", self._name)
+
+    async def _replay_from_expected(self) -> None:
+        """Ask for everything from the next expected sequence; deliver it in order."""
+        assert self.replay_endpoint is not None
+        start = self._expected
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(self.replay_endpoint)
+            await sock.send_multipart((b"", seq_frame(start)))
+            deadline = time.monotonic() + self._replay_timeout_s
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                frames = await asyncio.wait_for(sock.recv_multipart(), remaining)
+                if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+                    self.stats.malformed += 1
+                    continue
+                if frames[1] == END_OF_REPLAY:
+                    return
+                seq = int.from_bytes(frames[1], "big")
+                if seq < self._expected:
+                    continue
+                if seq > self._expected:
+                    await self._reset(f"replay no longer holds {self._expected}..{seq - 1}")
+                await self._deliver(seq, frames[2])
+                self.stats.replayed += 1
+                self._replayed_upto = max(self._replayed_upto, seq)
+        except TimeoutError:
+            logger.warning(
+                "KV events from %s: replay from %d timed out after %.2fs",
+                self._name,
+                start,
+                self._replay_timeout_s,
+            )
+        finally:
+            sock.close(linger=0)

@@ -1,0 +1,236 @@
+"""In-process residency index (the embedded default).
+
+Each known node owns one bit position ``k``. One dict maps a router block hash to a packed
+integer with four fields of ``max_nodes`` bits each: nodes holding the block on GPU, on CPU,
+in any tier, and in any tier or predicted. ``match`` is then one C-level pass over the prompt,
+independent of the number of nodes: ``accumulate(masks, and_)`` keeps the running AND of all
+four fields at once, ``takewhile`` stops at the first block no node holds, and the positions
+where bits leave the running AND are the nodes' prefix lengths per tier. Per-node sets keep
+what each node holds so ``forget`` and ``AllBlocksCleared`` are exact.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate, groupby, repeat, takewhile
+from operator import and_
+
+from kvtier.errors import ResidencyError
+from kvtier.events.types import EventBatch, Medium
+from kvtier.keys import BlockHash, BlockHasher
+from kvtier.residency.translate import (
+    ClearOp,
+    EngineHashMap,
+    RemoveOp,
+    ResidencyOp,
+    StoreOp,
+    TranslateStats,
+)
+from kvtier.residency.types import Match, NodeId
+
+_GPU, _CPU, _ANY, _SEEN = range(4)
+"""Fields of the packed masks; ``_SEEN`` is any tier or predicted."""
+
+
+def _drops(masks: Iterable[int]) -> dict[int, int]:
+    """Bit → length of the leading run of ``masks`` that all contain it (absent when 0)."""
+    out: dict[int, int] = {}
+    pos = 0
+    prev = 0
+    for value, run in groupby(takewhile(bool, accumulate(masks, and_))):
+        gone = prev & ~value
+        while gone:
+            low = gone & -gone
+            out[low] = pos
+            gone ^= low
+        pos += len(list(run))
+        prev = value
+    while prev:
+        low = prev & -prev
+        out[low] = pos
+        prev ^= low
+    return out
+
+
+class _Node:
+    __slots__ = ("cpu", "gpu", "index", "name", "pred")
+
+    def __init__(self, name: NodeId, index: int) -> None:
+        self.name = name
+        self.index = index
+        self.gpu: set[BlockHash] = set()
+        self.cpu: set[BlockHash] = set()
+        self.pred: dict[BlockHash, float] = {}
+
+
+class MemoryIndex:
+    """:class:`kvtier.residency.types.ResidencyIndex` held in this process.
+
+    ``clock`` returns seconds (monotonic); predictions expire ``ttl_s`` after ``predict``.
+    ``group_idx`` selects the KV-cache group whose events are indexed. At most ``max_nodes``
+    nodes are known at once (a forgotten node's position is reused).
+    """
+
+    def __init__(
+        self,
+        hasher: BlockHasher,
+        *,
+        group_idx: int = 0,
+        max_nodes: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_nodes <= 0:
+            raise ValueError(f"max_nodes must be positive, got {max_nodes}")
+        self._hasher = hasher
+        self._group = group_idx
+        self._clock = clock
+        self._width = max_nodes
+        self._nodes: dict[NodeId, _Node] = {}
+        self._by_index: dict[int, _Node] = {}
+        self._free: list[int] = list(range(max_nodes))
+        self._maps: dict[NodeId, EngineHashMap] = {}
+        self._masks: dict[BlockHash, int] = {}
+        self._expiries: list[tuple[float, int, BlockHash]] = []
+
+    def translate_stats(self, node: NodeId) -> TranslateStats:
+        """How ``node``'s events translated since it was last forgotten."""
+        m = self._maps.get(node)
+        return m.stats if m is not None else TranslateStats()
+
+    def _bit(self, index: int, field: int) -> int:
+        return 1 << (field * self._width + index)
+
+    def _node(self, name: NodeId) -> _Node:
+        node = self._nodes.get(name)
+        if node is None:
+            if not self._free:
+                raise ResidencyError(f"MemoryIndex tracks at most {self._width} nodes")
+            node = self._nodes[name] = _Node(name, heapq.heappop(self._free))
+            self._by_index[node.index] = node
+        return node
+
+    async def apply(self, node: NodeId, batch: object) -> None:
+        if not isinstance(batch, EventBatch):
+            raise TypeError(f"expected an EventBatch, got {type(batch).__name__}")
+        emap = self._maps.get(node)
+        if emap is None:
+            emap = self._maps[node] = EngineHashMap(self._hasher, self._group)
+        self.apply_ops(node, emap.translate(batch))
+
+    async def apply_many(self, items: Sequence[tuple[NodeId, EventBatch]]) -> None:
+        """Apply several batches in order (the Redis index pipelines these)."""
+        for node, batch in items:
+            await self.apply(node, batch)
+
+    def apply_ops(self, name: NodeId, ops: Sequence[ResidencyOp]) -> None:
+        """Apply already translated operations (router hashes)."""
+        node = self._node(name)
+        for op in ops:
+            if isinstance(op, StoreOp):
+                self._store(node, op.medium, op.hashes)
+            elif isinstance(op, RemoveOp):
+                self._remove(node, op.medium, op.hashes)
+            elif isinstance(op, ClearOp):
+                self._clear(node)
+
+    def _store(self, node: _Node, medium: Medium, hashes: Sequence[BlockHash]) -> None:
+        field = _GPU if medium is Medium.GPU else _CPU
+        bits = self._bit(node.index, field) | self._bit(node.index, _ANY)
+        bits |= self._bit(node.index, _SEEN)
+        masks = self._masks
+        get = masks.get
+        for h in hashes:
+            masks[h] = get(h, 0) | bits
+        (node.gpu if medium is Medium.GPU else node.cpu).update(hashes)
+
+    def _unset(self, h: BlockHash, bits: int) -> None:
+        left = self._masks.get(h, 0) & ~bits
+        if left:
+            self._masks[h] = left
+        else:
+            self._masks.pop(h, None)
+
+    def _remove(self, node: _Node, medium: Medium, hashes: Sequence[BlockHash]) -> None:
+        if medium is Medium.GPU:
+            held, other, field = node.gpu, node.cpu, _GPU
+        else:
+            held, other, field = node.cpu, node.gpu, _CPU
+        tier_bit = self._bit(node.index, field)
+        any_bit = self._bit(node.index, _ANY)
+        seen_bit = self._bit(node.index, _SEEN)
+        for h in hashes:
+            if h not in held:
+                continue
+            held.discard(h)
+            bits = tier_bit
+            if h not in other:
+                bits |= any_bit
+                if h not in node.pred:
+                    bits |= seen_bit
+            self._unset(h, bits)
+
+    def _clear(self, node: _Node) -> None:
+        every = sum(self._bit(node.index, f) for f in (_GPU, _CPU, _ANY, _SEEN))
+        for h in (*node.gpu, *node.cpu, *node.pred):
+            self._unset(h, every)
+        node.gpu.clear()
+        node.cpu.clear()
+        node.pred.clear()
+
+    def _expire(self, now: float) -> None:
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            expiry, index, h = heapq.heappop(heap)
+            node = self._by_index.get(index)
+            if node is not None and node.pred.get(h) == expiry:
+                del node.pred[h]
+                if h not in node.gpu and h not in node.cpu:
+                    self._unset(h, self._bit(index, _SEEN))
+
+    async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
+        self._expire(self._clock())
+        lengths = [[0] * self._width for _ in range(4)]
+        width = self._width
+        for low, length in _drops(map(self._masks.get, hashes, repeat(0))).items():
+            field, index = divmod(low.bit_length() - 1, width)
+            lengths[field][index] = length
+        gpu, cpu, total, seen = lengths
+        by_index = self._by_index
+        return {
+            by_index[i].name: Match(gpu=gpu[i], cpu=cpu[i], total=total[i], predicted=p)
+            for i, p in enumerate(seen)
+            if p
+        }
+
+    async def predict(self, node: NodeId, hashes: Sequence[BlockHash], ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        state = self._node(node)
+        expiry = self._clock() + ttl_s
+        index = state.index
+        seen_bit = self._bit(index, _SEEN)
+        masks = self._masks
+        for h in hashes:
+            state.pred[h] = expiry
+            heapq.heappush(self._expiries, (expiry, index, h))
+            masks[h] = masks.get(h, 0) | seen_bit
+
+    async def forget(self, node: NodeId) -> None:
+        self._maps.pop(node, None)
+        state = self._nodes.pop(node, None)
+        if state is None:
+            return
+        self._clear(state)
+        del self._by_index[state.index]
+        heapq.heappush(self._free, state.index)
+
+    async def nodes(self) -> list[NodeId]:
+        return list(self._nodes)
+
+    async def close(self) -> None:
+        for name in list(self._nodes):
+            await self.forget(name)
+        self._expiries.clear()
+        self._masks.clear()

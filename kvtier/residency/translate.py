@@ -1,0 +1,178 @@
+"""Engine events → residency operations on router block hashes.
+
+Engines hash blocks their own way, so an index cannot use ``block_hashes`` from events
+directly. A ``BlockStored`` carries the blocks' ``token_ids`` and its parent's engine hash:
+:class:`EngineHashMap` recomputes the router's chained hashes (:class:`kvtier.keys.BlockHasher`)
+from the parent's router hash and keeps engine hash → router hashes, so a later
+``BlockRemoved`` resolves. One map per node; both index implementations share it.
+
+An engine block may span several router blocks (engine block size a multiple of the router's).
+Events the router's hashes cannot represent are skipped and counted: LoRA blocks, blocks with
+extra hash keys (multimodal inputs, cache salts), other KV-cache groups, unknown media, and
+block sizes that are not a multiple of the router's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.events.types import (
+    BlockRemoved,
+    BlockStored,
+    EngineBlockHash,
+    EventBatch,
+    Medium,
+    event_medium,
+)
+from kvtier.keys import BlockHash, BlockHasher
+
+MEDIUM_BIT = {Medium.GPU: 1, Medium.CPU: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOp:
+    """``hashes`` became resident in ``medium``."""
+
+    medium: Medium
+    hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveOp:
+    """``hashes`` left ``medium``."""
+
+    medium: Medium
+    hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClearOp:
+    """The node dropped everything it held."""
+
+
+ResidencyOp = StoreOp | RemoveOp | ClearOp
+
+
+@dataclass(slots=True)
+class TranslateStats:
+    """What a node's events amounted to (counts of engine blocks unless noted)."""
+
+    stored: int = 0
+    removed: int = 0
+    unresolved: int = 0
+    """Blocks whose parent (stores) or own engine hash (removals) the map does not know."""
+    skipped: int = 0
+    """Blocks the router's hashes cannot represent (see the module docstring)."""
+    clears: int = 0
+    """AllBlocksCleared events."""
+
+
+class _Entry:
+    __slots__ = ("hashes", "mask")
+
+    def __init__(self, hashes: tuple[BlockHash, ...], mask: int) -> None:
+        self.hashes = hashes
+        self.mask = mask
+
+
+class EngineHashMap:
+    """One node's engine hash → router hashes map, and the media holding each engine block."""
+
+    def __init__(self, hasher: BlockHasher, group_idx: int = 0) -> None:
+        self._hasher = hasher
+        self._group = group_idx
+        self._entries: dict[EngineBlockHash, _Entry] = {}
+        self.stats = TranslateStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def translate(self, batch: EventBatch) -> list[ResidencyOp]:
+        """Update the map with ``batch`` and return what changed, in router hashes."""
+        ops: list[ResidencyOp] = []
+        op: ResidencyOp | None
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                op = self._stored(event)
+            elif isinstance(event, BlockRemoved):
+                op = self._removed(event)
+            else:
+                self._entries.clear()
+                self.stats.clears += 1
+                op = ClearOp()
+            if op is not None:
+                ops.append(op)
+        return ops
+
+    def snapshot(self) -> list[StoreOp]:
+        """Everything the map knows to be resident, as store operations (for a resync)."""
+        by_medium: dict[Medium, list[BlockHash]] = {m: [] for m in MEDIUM_BIT}
+        for entry in self._entries.values():
+            for medium, bit in MEDIUM_BIT.items():
+                if entry.mask & bit:
+                    by_medium[medium].extend(entry.hashes)
+        return [StoreOp(m, tuple(h)) for m, h in by_medium.items() if h]
+
+    def _representable(self, event: BlockStored) -> bool:
+        if event.group_idx is not None and event.group_idx != self._group:
+            return False
+        if event.lora_id is not None or event.lora_name is not None:
+            return False
+        if event.extra_keys is not None and any(k is not None for k in event.extra_keys):
+            return False
+        return (
+            event.block_size % self._hasher.block_size == 0
+            and len(event.token_ids) == len(event.block_hashes) * event.block_size
+        )
+
+    def _stored(self, event: BlockStored) -> StoreOp | None:
+        n = len(event.block_hashes)
+        medium = event_medium(event.medium)
+        if medium is None or not self._representable(event):
+            self.stats.skipped += n
+            return None
+        parent: BlockHash | None = None
+        if event.parent_block_hash is not None:
+            parent_entry = self._entries.get(event.parent_block_hash)
+            if parent_entry is None:
+                self.stats.unresolved += n
+                return None
+            parent = parent_entry.hashes[-1]
+        ours = self._hasher.hash_tokens(
+            event.token_ids, parent=parent, first_block_index=0 if parent is None else 1
+        )
+        per = event.block_size // self._hasher.block_size
+        bit = MEDIUM_BIT[medium]
+        entries = self._entries
+        for i, engine_hash in enumerate(event.block_hashes):
+            mine = tuple(ours[i * per : (i + 1) * per])
+            entry = entries.get(engine_hash)
+            if entry is None:
+                entries[engine_hash] = _Entry(mine, bit)
+            else:
+                entry.hashes = mine
+                entry.mask |= bit
+        self.stats.stored += n
+        return StoreOp(medium, tuple(ours))
+
+    def _removed(self, event: BlockRemoved) -> RemoveOp | None:
+        medium = event_medium(event.medium)
+        if medium is None or (event.group_idx is not None and event.group_idx != self._group):
+            self.stats.skipped += len(event.block_hashes)
+            return None
+        bit = MEDIUM_BIT[medium]
+        gone: list[BlockHash] = []
+        for engine_hash in event.block_hashes:
+            entry = self._entries.get(engine_hash)
+            if entry is None or not entry.mask & bit:
+                self.stats.unresolved += 1
+                continue
+            entry.mask &= ~bit
+            gone.extend(entry.hashes)
+            if not entry.mask:
+                del self._entries[engine_hash]
+            self.stats.removed += 1
+        return RemoveOp(medium, tuple(gone)) if gone else None
