@@ -1,0 +1,333 @@
+"""Consumer side: fetch the missing contiguous range of a producer's supply into host pages.
+
+Use inside the worker's asyncio loop::
+
+    client = P2PClient(settings, identity, sink)     # sink: where fetched pages are installed
+    result = await client.fetch(remote_host, remote_port, kv_request_id, keys, deadline)
+    result.usable        # leading keys of ``keys`` now held locally (local hits + fetched)
+    result.fetched       # keys this fetch installed, in order
+    result.reason        # why the usable prefix ends early (None when complete)
+    await client.close()
+
+``keys`` is the request's chunk keys in order. Leading keys the sink already holds are not
+fetched, nor any later key it holds; the rest is demanded in one ``fetch`` frame. Each block is
+received straight into the page the sink reserved (``loop.sock_recv_into``), its key and xxh3
+checksum verified, and only then committed (I6). A key that fails, is refused by the sink, or
+misses ``deadline`` ends the usable prefix there; fetch never raises for transport failures, it
+returns what is usable and why the rest is not, within ``deadline`` (a ``time.monotonic()``
+value; default ``now + settings.fetch_timeout_s``). After the fetch the client sends ``done`` so
+the producer releases the supply (``finish=False`` keeps it for a later fetch).
+
+Sessions are reused per producer (one fetch at a time per connection; several connections per
+producer when fetches run concurrently, at most ``max_sessions_per_peer`` kept idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.errors import HandshakeRefused, P2PError, ProtocolError
+from kvtier.keys import OffloadKey
+from kvtier.p2p.channel import FrameChannel, PeerClosed
+from kvtier.p2p.frames import (
+    MAX_ID_CHARS,
+    BlockHeader,
+    Done,
+    Fail,
+    Fetch,
+    KvRequestId,
+    Release,
+    as_keys,
+)
+from kvtier.p2p.handshake import LocalIdentity
+from kvtier.p2p.sessions import Session, SessionPool
+from kvtier.p2p.settings import P2PSettings
+
+logger = logging.getLogger(__name__)
+
+
+class PageReservation(Protocol):
+    """A host page reserved for one incoming key, not readable until committed."""
+
+    @property
+    def buffer(self) -> memoryview:
+        """Writable, exactly the key's payload size (format 'B')."""
+        ...
+
+    def commit(self) -> None:
+        """The payload is verified: install the page under its key (readable from now on)."""
+        ...
+
+    def abort(self) -> None:
+        """Give the page back; the key stays absent."""
+        ...
+
+
+class BlockSink(Protocol):
+    """Where a consumer installs fetched pages (its primary host tier)."""
+
+    def holds(self, key: OffloadKey) -> bool:
+        """True when ``key`` is already present locally (readable or write in flight)."""
+        ...
+
+    def reserve(self, key: OffloadKey, nbytes: int) -> PageReservation | None:
+        """A page for ``key``, or None when no page can be freed (the prefix ends there)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """What one fetch achieved. ``usable`` leading keys of ``keys`` are now held locally."""
+
+    kv_request_id: KvRequestId
+    keys: tuple[OffloadKey, ...]
+    usable: int
+    local: int
+    """Keys of ``keys`` that were already held locally (not fetched)."""
+    fetched: tuple[OffloadKey, ...]
+    nbytes: int
+    elapsed_s: float
+    reason: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.usable == len(self.keys)
+
+
+@dataclass(slots=True)
+class _Progress:
+    fetched: list[OffloadKey] = field(default_factory=list)
+    nbytes: int = 0
+    reason: str | None = None
+    session_clean: bool = True
+    frames: int = 0
+
+    @property
+    def untouched(self) -> bool:
+        """Nothing was received yet (a retry on a fresh session is safe)."""
+        return self.frames == 0
+
+
+class P2PClient:
+    """Fetches supply from producers; one instance per consumer worker."""
+
+    def __init__(self, settings: P2PSettings, identity: LocalIdentity, sink: BlockSink) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.sink = sink
+        self._sessions = SessionPool(settings, identity)
+
+    async def fetch(
+        self,
+        remote_host: str,
+        remote_port: int,
+        kv_request_id: str,
+        keys: Sequence[OffloadKey],
+        deadline: float | None = None,
+        *,
+        finish: bool = True,
+    ) -> FetchResult:
+        """Fetch the keys of ``keys`` that the sink lacks; see the module docstring."""
+        rid = _checked_id(kv_request_id)
+        wanted = as_keys(keys)
+        started = time.monotonic()
+        if deadline is None:
+            deadline = started + self.settings.fetch_timeout_s
+        held = [self.sink.holds(k) for k in wanted]
+        missing = tuple(dict.fromkeys(k for k, h in zip(wanted, held, strict=True) if not h))
+        progress = _Progress()
+        if missing or finish:
+            await self._exchange(
+                remote_host,
+                remote_port,
+                rid,
+                missing=missing,
+                deadline=deadline,
+                finish=finish,
+                progress=progress,
+            )
+        got = set(progress.fetched)
+        usable = 0
+        for key, was_held in zip(wanted, held, strict=True):
+            if not (was_held or key in got):
+                break
+            usable += 1
+        return FetchResult(
+            rid,
+            wanted,
+            usable,
+            sum(held),
+            tuple(progress.fetched),
+            progress.nbytes,
+            time.monotonic() - started,
+            progress.reason if usable < len(wanted) else None,
+        )
+
+    async def release(
+        self, remote_host: str, remote_port: int, kv_request_id: str, deadline: float | None = None
+    ) -> bool:
+        """Ask a producer to release ``kv_request_id`` (e.g. the client went away)."""
+        rid = _checked_id(kv_request_id)
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.connect_timeout_s
+        session: Session | None = None
+        sent = False
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                session = await self._sessions.take((remote_host, remote_port))
+                await session.channel.send_frame(Release(rid))
+                sent = True
+        except (P2PError, OSError, TimeoutError) as exc:
+            logger.warning(
+                "p2p release %s at %s:%d failed: %s", kv_request_id, remote_host, remote_port, exc
+            )
+        finally:
+            if session is not None:
+                if sent:
+                    self._sessions.give_back((remote_host, remote_port), session)
+                else:
+                    session.channel.close()
+        return sent
+
+    @property
+    def sessions_opened(self) -> int:
+        """Connections opened so far (reuse keeps this low)."""
+        return self._sessions.opened
+
+    async def close(self) -> None:
+        """Close idle sessions; later fetches open new ones, and close them when done."""
+        self._sessions.close()
+
+    # ---- one exchange -------------------------------------------------------------------------
+
+    async def _exchange(
+        self,
+        host: str,
+        port: int,
+        rid: KvRequestId,
+        *,
+        missing: tuple[OffloadKey, ...],
+        deadline: float,
+        finish: bool,
+        progress: _Progress,
+    ) -> None:
+        session: Session | None = None
+        ended_cleanly = False
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                session = await self._sessions.take((host, port))
+                if missing:
+                    try:
+                        await self._fetch_on(session, rid, missing, deadline, progress)
+                    except PeerClosed:
+                        if not (session.reused and progress.untouched):
+                            raise
+                        # An idle session the producer closed meanwhile: one fresh attempt.
+                        session.channel.close()
+                        session = await self._sessions.connect((host, port))
+                        await self._fetch_on(session, rid, missing, deadline, progress)
+                if finish and progress.session_clean:
+                    await session.channel.send_frame(Done(rid))
+                ended_cleanly = progress.session_clean
+        except TimeoutError:
+            progress.reason = progress.reason or "deadline passed"
+        except HandshakeRefused as exc:
+            progress.reason = progress.reason or f"handshake refused: {exc}"
+        except (P2PError, OSError) as exc:
+            logger.warning("p2p fetch %s from %s:%d broke off: %s", rid, host, port, exc)
+            progress.reason = progress.reason or f"transport: {exc}"
+        finally:
+            # Anything but a clean end (errors, cancellation) leaves the stream out of sync.
+            if session is not None:
+                if ended_cleanly:
+                    self._sessions.give_back((host, port), session)
+                else:
+                    session.channel.close()
+        if progress.reason is not None:
+            logger.info(
+                "p2p fetch %s: %d of %d keys fetched; %s",
+                rid,
+                len(progress.fetched),
+                len(missing),
+                progress.reason,
+            )
+
+    async def _fetch_on(
+        self,
+        session: Session,
+        rid: KvRequestId,
+        missing: tuple[OffloadKey, ...],
+        deadline: float,
+        progress: _Progress,
+    ) -> None:
+        step = self.settings.max_keys_per_fetch
+        for start in range(0, len(missing), step):
+            batch = missing[start : start + step]
+            deadline_ms = max(int((deadline - time.monotonic()) * 1000), 0)
+            await session.channel.send_frame(Fetch(rid, batch, deadline_ms))
+            await self._receive(session.channel, rid, batch, progress)
+            if progress.reason is not None:
+                return
+
+    async def _receive(
+        self,
+        channel: FrameChannel,
+        rid: KvRequestId,
+        missing: tuple[OffloadKey, ...],
+        progress: _Progress,
+    ) -> None:
+        fingerprint = self.identity.fingerprint
+        i = 0
+        while i < len(missing):
+            frame = await channel.read_frame()
+            if frame is None:
+                raise PeerClosed("producer closed the connection during a fetch")
+            progress.frames += 1
+            if isinstance(frame, Fail):
+                named = missing[i : i + len(frame.keys)]
+                if frame.kv_request_id != rid or not frame.keys or frame.keys != named:
+                    raise ProtocolError("fail frame names keys out of order")
+                if progress.reason is None:
+                    progress.reason = f"producer: {frame.reason}"
+                i += len(frame.keys)
+                continue
+            if not isinstance(frame, BlockHeader):
+                raise ProtocolError(f"unexpected {type(frame).__name__} frame during a fetch")
+            key = missing[i]
+            if frame.key != key:
+                raise ProtocolError("block for a key out of order or not demanded")
+            if frame.nbytes != fingerprint.page_nbytes(key):
+                raise ProtocolError(f"block of {frame.nbytes} bytes; the layout says otherwise")
+            if progress.reason is not None:
+                await channel.discard_payload(frame.nbytes)  # past the end of the prefix
+                i += 1
+                continue
+            reservation = self.sink.reserve(key, frame.nbytes)
+            if reservation is None:
+                progress.reason = "no free host page for a fetched block"
+                progress.session_clean = False  # stop reading: closing is cheaper than draining
+                return
+            committed = False
+            try:
+                checksum = await channel.read_payload_into(reservation.buffer)
+                if checksum != frame.checksum:
+                    raise ProtocolError("checksum mismatch: the block is not installed")
+                reservation.commit()
+                committed = True
+            finally:
+                if not committed:
+                    reservation.abort()
+            progress.fetched.append(key)
+            progress.nbytes += frame.nbytes
+            i += 1
+
+
+def _checked_id(kv_request_id: str) -> KvRequestId:
+    if not isinstance(kv_request_id, str) or not 0 < len(kv_request_id) <= MAX_ID_CHARS:
+        raise ValueError(f"kv_request_id must be a string of 1..{MAX_ID_CHARS} characters")
+    return KvRequestId(kv_request_id)

@@ -1,0 +1,283 @@
+"""P2P wire frames: pure encoding and decoding, no I/O.
+
+Every control frame is ``length (uint32 big-endian) ‖ msgpack map`` with a ``type`` field. A
+``block`` frame is followed on the wire by exactly ``nbytes`` of raw page payload (not part of
+the frame). Types and their fields:
+
+=============  ==========================  ====================================================
+type           direction                   fields
+=============  ==========================  ====================================================
+``hello``      server → client, first      ``version, node_id, fingerprint, nonce, auth``
+``auth``       client → server             ``version, node_id, fingerprint, nonce, mac``
+``welcome``    server → client             ``mac`` (server's proof over the client nonce)
+``refuse``     either → other, then close  ``reason``
+``fetch``      consumer → producer         ``kv_request_id, keys, deadline_ms``
+``block``      producer → consumer         ``key, nbytes, checksum`` (xxh3_64 of the payload)
+``fail``       producer → consumer         ``kv_request_id, keys, reason``
+``done``       consumer → producer         ``kv_request_id``
+``release``    anyone → producer           ``kv_request_id``
+=============  ==========================  ====================================================
+
+:func:`decode_frame` validates every field's type and bound and raises
+:class:`kvtier.errors.ProtocolError` for anything else, so the I/O layers never see a
+malformed frame.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import msgpack
+
+from kvtier.errors import ProtocolError
+from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey
+from kvtier.p2p.layout import LayoutFingerprint
+
+PROTOCOL_VERSION = 1
+LENGTH_PREFIX = struct.Struct(">I")
+NONCE_BYTES = 32
+MAC_BYTES = 32
+MAX_ID_CHARS = 128
+MAX_REASON_CHARS = 1024
+MAX_PAYLOAD_BYTES = 1 << 31
+
+KvRequestId = NewType("KvRequestId", str)
+"""The id the proxy gives a producer/consumer pair (128-bit random, hex); names the supply."""
+
+PeerNodeId = NewType("PeerNodeId", str)
+"""A worker's node id as it announces itself in the handshake."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    version: int
+    node_id: PeerNodeId
+    fingerprint: LayoutFingerprint
+    nonce: bytes
+    auth: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    version: int
+    node_id: PeerNodeId
+    fingerprint: LayoutFingerprint
+    nonce: bytes
+    mac: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    mac: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    kv_request_id: KvRequestId
+    keys: tuple[OffloadKey, ...]
+    deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    key: OffloadKey
+    nbytes: int
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    kv_request_id: KvRequestId
+    keys: tuple[OffloadKey, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    kv_request_id: KvRequestId
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    kv_request_id: KvRequestId
+
+
+Frame = Hello | Auth | Welcome | Refuse | Fetch | BlockHeader | Fail | Done | Release
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """Length prefix and msgpack body of one control frame."""
+    body: dict[str, object]
+    match frame:
+        case Hello():
+            body = {
+                "type": "hello",
+                "version": frame.version,
+                "node_id": frame.node_id,
+                "fingerprint": frame.fingerprint.to_wire(),
+                "nonce": frame.nonce,
+                "auth": frame.auth,
+            }
+        case Auth():
+            body = {
+                "type": "auth",
+                "version": frame.version,
+                "node_id": frame.node_id,
+                "fingerprint": frame.fingerprint.to_wire(),
+                "nonce": frame.nonce,
+                "mac": frame.mac,
+            }
+        case Welcome():
+            body = {"type": "welcome", "mac": frame.mac}
+        case Refuse():
+            body = {"type": "refuse", "reason": frame.reason}
+        case Fetch():
+            body = {
+                "type": "fetch",
+                "kv_request_id": frame.kv_request_id,
+                "keys": list(frame.keys),
+                "deadline_ms": frame.deadline_ms,
+            }
+        case BlockHeader():
+            body = {
+                "type": "block",
+                "key": frame.key,
+                "nbytes": frame.nbytes,
+                "checksum": frame.checksum,
+            }
+        case Fail():
+            body = {
+                "type": "fail",
+                "kv_request_id": frame.kv_request_id,
+                "keys": list(frame.keys),
+                "reason": frame.reason,
+            }
+        case Done():
+            body = {"type": "done", "kv_request_id": frame.kv_request_id}
+        case Release():
+            body = {"type": "release", "kv_request_id": frame.kv_request_id}
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return LENGTH_PREFIX.pack(len(packed)) + packed
+
+
+def frame_length(prefix: bytes | bytearray | memoryview, max_frame_bytes: int) -> int:
+    """The body length announced by a 4-byte prefix; ProtocolError when zero or oversize."""
+    (n,) = LENGTH_PREFIX.unpack(prefix)
+    if n == 0 or n > max_frame_bytes:
+        raise ProtocolError(f"frame length {n} outside 1..{max_frame_bytes}")
+    return int(n)
+
+
+def decode_frame(body: bytes | bytearray | memoryview) -> Frame:
+    """One frame from its msgpack body (without the length prefix)."""
+    try:
+        raw = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises a zoo of types for garbage
+        raise ProtocolError(f"frame body is not msgpack: {type(exc).__name__}") from exc
+    if not isinstance(raw, dict):
+        raise ProtocolError("frame body is not a map")
+    kind = raw.get("type")
+    if kind == "block":
+        return BlockHeader(
+            _key(raw.get("key")),
+            _int(raw, "nbytes", 1, MAX_PAYLOAD_BYTES),
+            _int(raw, "checksum", 0, (1 << 64) - 1),
+        )
+    if kind == "fetch":
+        return Fetch(_rid(raw), _keys(raw.get("keys")), _int(raw, "deadline_ms", 0, 3_600_000))
+    if kind == "fail":
+        return Fail(_rid(raw), _keys(raw.get("keys")), _str(raw, "reason", MAX_REASON_CHARS))
+    if kind == "done":
+        return Done(_rid(raw))
+    if kind == "release":
+        return Release(_rid(raw))
+    if kind == "hello":
+        return Hello(
+            _int(raw, "version", 0, 1 << 16),
+            PeerNodeId(_str(raw, "node_id", MAX_ID_CHARS)),
+            LayoutFingerprint.from_wire(raw.get("fingerprint")),
+            _bytes(raw, "nonce", NONCE_BYTES),
+            _bool(raw, "auth"),
+        )
+    if kind == "auth":
+        mac = raw.get("mac")
+        if not isinstance(mac, bytes) or len(mac) not in (0, MAC_BYTES):
+            raise ProtocolError("auth mac must be empty or 32 bytes")
+        return Auth(
+            _int(raw, "version", 0, 1 << 16),
+            PeerNodeId(_str(raw, "node_id", MAX_ID_CHARS)),
+            LayoutFingerprint.from_wire(raw.get("fingerprint")),
+            _bytes(raw, "nonce", NONCE_BYTES),
+            mac,
+        )
+    if kind == "welcome":
+        mac = raw.get("mac")
+        if not isinstance(mac, bytes) or len(mac) not in (0, MAC_BYTES):
+            raise ProtocolError("welcome mac must be empty or 32 bytes")
+        return Welcome(mac)
+    if kind == "refuse":
+        return Refuse(_str(raw, "reason", MAX_REASON_CHARS))
+    raise ProtocolError(f"unknown frame type {str(kind)[:40]!r}")
+
+
+def _int(raw: dict[str, object], name: str, lo: int, hi: int) -> int:
+    value = raw.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ProtocolError(f"field {name} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _str(raw: dict[str, object], name: str, max_chars: int) -> str:
+    value = raw.get(name)
+    if not isinstance(value, str) or len(value) > max_chars:
+        raise ProtocolError(f"field {name} must be a string of at most {max_chars} chars")
+    return value
+
+
+def _bool(raw: dict[str, object], name: str) -> bool:
+    value = raw.get(name)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"field {name} must be a boolean")
+    return value
+
+
+def _bytes(raw: dict[str, object], name: str, size: int) -> bytes:
+    value = raw.get(name)
+    if not isinstance(value, bytes) or len(value) != size:
+        raise ProtocolError(f"field {name} must be {size} bytes")
+    return value
+
+
+def _rid(raw: dict[str, object]) -> KvRequestId:
+    value = _str(raw, "kv_request_id", MAX_ID_CHARS)
+    if not value:
+        raise ProtocolError("kv_request_id must not be empty")
+    return KvRequestId(value)
+
+
+def _key(value: object) -> OffloadKey:
+    if not isinstance(value, bytes) or len(value) != OFFLOAD_KEY_BYTES:
+        raise ProtocolError(f"a key must be {OFFLOAD_KEY_BYTES} bytes")
+    return OffloadKey(value)
+
+
+def _keys(value: object) -> tuple[OffloadKey, ...]:
+    if not isinstance(value, list):
+        raise ProtocolError("keys must be a list")
+    return tuple(_key(k) for k in value)
+
+
+def as_keys(keys: Sequence[bytes]) -> tuple[OffloadKey, ...]:
+    """Validate caller-supplied keys before they go on the wire (ValueError if malformed)."""
+    try:
+        return tuple(_key(k) for k in keys)
+    except ProtocolError as exc:
+        raise ValueError(str(exc)) from exc

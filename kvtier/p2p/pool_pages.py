@@ -1,0 +1,83 @@
+"""Adapters between the primary :class:`~kvtier.offload.pool.HostPagePool` and the transport.
+
+- :class:`PoolSupplyPage`: a producer's :class:`~kvtier.offload.pool.PageRef` as a
+  :class:`~kvtier.p2p.supply.SupplyPage` (the payload is the first ``nbytes`` of the page).
+- :class:`PoolSink`: a consumer's pool as a :class:`~kvtier.p2p.client.BlockSink`: a fetched
+  block is written into a page allocated for its key (``allocate`` → ``write_view`` →
+  ``complete_write``), so the tiering manager sees it as a normal write (listeners, events).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvtier.errors import OffloadError
+from kvtier.keys import OffloadKey
+from kvtier.offload.pool import HostPagePool, PageRef
+from kvtier.offload.types import LookupResult, RequestId
+
+logger = logging.getLogger(__name__)
+
+
+class PoolSupplyPage:
+    """One pool reference lent to the supply registry (released exactly once by it)."""
+
+    __slots__ = ("_nbytes", "_ref")
+
+    def __init__(self, ref: PageRef, nbytes: int) -> None:
+        if nbytes > len(ref.view):
+            raise ValueError(f"payload of {nbytes} bytes exceeds the {len(ref.view)}-byte page")
+        self._ref = ref
+        self._nbytes = nbytes
+
+    def view(self) -> memoryview:
+        return self._ref.view[: self._nbytes]
+
+    def release(self) -> None:
+        self._ref.release()
+
+
+class _PoolReservation:
+    __slots__ = ("_done", "_key", "_pool", "buffer")
+
+    def __init__(self, pool: HostPagePool, key: OffloadKey, nbytes: int) -> None:
+        self._pool = pool
+        self._key = key
+        self._done = False
+        self.buffer = pool.write_view(key)[:nbytes]
+
+    def commit(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pool.complete_write(self._key, True)
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pool.complete_write(self._key, False)
+
+
+class PoolSink:
+    """Install fetched blocks into a consumer's primary host pool."""
+
+    def __init__(self, pool: HostPagePool, *, owner: RequestId | None = None) -> None:
+        self.pool = pool
+        self.owner = owner
+
+    def holds(self, key: OffloadKey) -> bool:
+        return self.pool.lookup(key) is not LookupResult.MISS
+
+    def reserve(self, key: OffloadKey, nbytes: int) -> _PoolReservation | None:
+        if nbytes > self.pool.page_nbytes:
+            logger.warning(
+                "p2p block of %d bytes does not fit a %d-byte host page",
+                nbytes,
+                self.pool.page_nbytes,
+            )
+            return None
+        try:
+            self.pool.allocate(key, owner=self.owner)
+        except OffloadError as exc:  # PoolExhausted, or the key arrived meanwhile
+            logger.info("p2p cannot install %s: %s", key.hex(), exc)
+            return None
+        return _PoolReservation(self.pool, key, nbytes)

@@ -1,0 +1,287 @@
+"""Producer side: the P2P server that serves a :class:`SupplyRegistry` to authenticated peers.
+
+Use inside the worker's asyncio loop::
+
+    registry = SupplyRegistry(settings.lease_s, released_memory=settings.released_memory)
+    server = P2PServer(settings, identity, registry)
+    await server.start()          # binds settings.host:settings.port; server.port is the real one
+    ...                           # the tier (or the worker) opens/supplies/finishes requests
+    await server.stop()           # closes the listener and every session; releases all supply
+                                  # and closes the registry (a restarted server needs a new one)
+
+One listening port per worker. Each connection: handshake (bounded by ``handshake_timeout_s``),
+then a reader that accepts ``fetch``/``done``/``release`` and a sender that serves fetches in
+order, one block at a time, each as soon as it is readable. A key that cannot be served ends the
+fetch with one ``fail`` frame naming it and every later key (the consumer's usable prefix ends
+there anyway). Malformed input closes that connection only, with a logged reason; kv_request_ids
+fetched on a connection that goes away without ``done`` are released. Every wait is bounded:
+handshake, idle session, demand per key (``demand_wait_s`` while the producer runs; none once it
+finished), and one fetch as a whole (``max_fetch_s``, which also cuts off a consumer that stops
+reading). With ``precompute_checksums`` each supplied page is hashed on a helper thread as it is
+registered, so sends do not wait for the hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+from kvtier.errors import HandshakeRefused, ProtocolError
+from kvtier.keys import OffloadKey
+from kvtier.p2p.channel import FrameChannel, PeerClosed, tune_socket
+from kvtier.p2p.frames import (
+    MAX_REASON_CHARS,
+    BlockHeader,
+    Done,
+    Fail,
+    Fetch,
+    Frame,
+    KvRequestId,
+    Release,
+)
+from kvtier.p2p.handshake import LocalIdentity, PeerInfo, server_handshake
+from kvtier.p2p.settings import P2PSettings
+from kvtier.p2p.supply import SupplyRegistry
+
+logger = logging.getLogger(__name__)
+
+_MAX_QUEUED_FETCHES = 16
+_SEND_GRACE_S = 1.0
+
+
+class P2PServer:
+    """The producer's listening endpoint (one per worker)."""
+
+    def __init__(
+        self, settings: P2PSettings, identity: LocalIdentity, registry: SupplyRegistry
+    ) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.registry = registry
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._accept_task: asyncio.Task[None] | None = None
+        self._lease_task: asyncio.Task[None] | None = None
+        self._channels: set[FrameChannel] = set()
+        self._hasher: ThreadPoolExecutor | None = None
+        self.port = 0
+        self.connections_total = 0
+        self.refused_total = 0
+        self.protocol_errors_total = 0
+
+    @property
+    def active_connections(self) -> int:
+        return len(self._channels)
+
+    async def start(self) -> None:
+        if self._listener is not None:
+            return
+        if self.identity.secret is None:
+            logger.warning(
+                "p2p server %s: no KVTIER_P2P_SECRET configured; non-loopback peers are refused",
+                self.identity.node_id,
+            )
+        infos = socket.getaddrinfo(self.settings.host, self.settings.port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(128)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        self.port = int(listener.getsockname()[1])
+        if self.settings.precompute_checksums:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="p2p-checksum")
+            self.registry.set_checksum_executor(self._hasher)
+        self._accept_task = asyncio.create_task(self._accept_loop(listener))
+        self._lease_task = asyncio.create_task(self._lease_loop())
+        logger.info(
+            "p2p server %s listening on %s:%d", self.identity.node_id, self.settings.host, self.port
+        )
+
+    async def stop(self) -> None:
+        """Close the listener and every session, then release all supply."""
+        for task in (self._accept_task, self._lease_task):
+            if task is not None:
+                task.cancel()
+        for task in (self._accept_task, self._lease_task):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._accept_task = self._lease_task = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._hasher is not None:
+            self.registry.set_checksum_executor(None)
+            await asyncio.to_thread(self._hasher.shutdown, True, cancel_futures=True)
+            self._hasher = None
+        self.registry.close()
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                logger.warning("p2p accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            if len(self._tasks) >= self.settings.max_connections:
+                logger.warning(
+                    "p2p server %s: %d connections open; refusing one more",
+                    self.identity.node_id,
+                    len(self._tasks),
+                )
+                sock.close()
+                continue
+            task = asyncio.create_task(self._connection(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.lease_check_interval_s)
+            self.registry.expire()
+
+    async def _connection(self, sock: socket.socket) -> None:
+        self.connections_total += 1
+        try:
+            tune_socket(sock, self.settings.socket_buffer_bytes)
+            channel = FrameChannel(sock, self.settings.max_frame_bytes)
+        except OSError as exc:
+            sock.close()
+            logger.warning("p2p connection setup failed: %s", exc)
+            return
+        self._channels.add(channel)
+        owned: set[KvRequestId] = set()
+        try:
+            async with asyncio.timeout(self.settings.handshake_timeout_s):
+                peer = await server_handshake(channel, self.identity)
+            await self._session(channel, peer, owned)
+        except HandshakeRefused:
+            self.refused_total += 1
+        except PeerClosed as exc:
+            logger.info("p2p peer %s went away: %s", channel.peer, exc)
+        except ProtocolError as exc:
+            self.protocol_errors_total += 1
+            logger.warning("p2p closing connection from %s: %s", channel.peer, exc)
+        except TimeoutError:
+            logger.warning(
+                "p2p closing connection from %s: handshake, idle or send timeout", channel.peer
+            )
+        except Exception:  # a bug must cost this connection only, never the server
+            logger.exception("p2p connection from %s failed", channel.peer)
+        finally:
+            for kv_request_id in owned:
+                self.registry.release(kv_request_id, "consumer disconnected")
+            self._channels.discard(channel)
+            channel.close()
+
+    async def _session(
+        self, channel: FrameChannel, peer: PeerInfo, owned: set[KvRequestId]
+    ) -> None:
+        queue: asyncio.Queue[Fetch] = asyncio.Queue(_MAX_QUEUED_FETCHES)
+        busy = asyncio.Event()
+        sender = asyncio.create_task(self._send_loop(channel, queue, busy))
+        read: asyncio.Task[Frame | None] | None = None
+        try:
+            while True:
+                read = asyncio.create_task(channel.read_frame())
+                while True:
+                    done, _ = await asyncio.wait(
+                        {read, sender},
+                        timeout=self.settings.idle_session_s,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    if done:
+                        break
+                    if not busy.is_set() and queue.empty():
+                        raise TimeoutError  # idle session
+                if sender in done:
+                    sender.result()  # re-raises why the sender stopped
+                    return
+                frame = read.result()
+                read = None
+                if frame is None:
+                    return
+                if isinstance(frame, Fetch):
+                    if len(frame.keys) > self.settings.max_keys_per_fetch:
+                        raise ProtocolError(f"fetch of {len(frame.keys)} keys exceeds the limit")
+                    for key in frame.keys:  # groups the layout lacks: refuse before serving
+                        self.identity.fingerprint.page_nbytes(key)
+                    if queue.full():
+                        raise ProtocolError("too many fetches queued on one connection")
+                    owned.add(frame.kv_request_id)
+                    queue.put_nowait(frame)
+                elif isinstance(frame, Done | Release):
+                    owned.discard(frame.kv_request_id)
+                    reason = "done" if isinstance(frame, Done) else f"release from {peer.node_id}"
+                    self.registry.release(frame.kv_request_id, reason)
+                else:
+                    raise ProtocolError(f"unexpected {type(frame).__name__} frame from a consumer")
+        finally:
+            tasks = [t for t in (read, sender) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _send_loop(
+        self, channel: FrameChannel, queue: asyncio.Queue[Fetch], busy: asyncio.Event
+    ) -> None:
+        while True:
+            fetch = await queue.get()
+            busy.set()
+            # Bounds a consumer that stops reading, too: the send cannot outlive the fetch.
+            limit = min(fetch.deadline_ms / 1000, self.settings.max_fetch_s) + _SEND_GRACE_S
+            try:
+                async with asyncio.timeout(limit):
+                    await self._serve(channel, fetch)
+            finally:
+                busy.clear()
+
+    async def _serve(self, channel: FrameChannel, fetch: Fetch) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + fetch.deadline_ms / 1000
+        unknown_until = start + self.settings.unknown_request_wait_s
+        fingerprint = self.identity.fingerprint
+        for i, key in enumerate(fetch.keys):
+            until = min(deadline, loop.time() + self.settings.demand_wait_s)
+            hold = await self.registry.acquire(fetch.kv_request_id, key, until, unknown_until)
+            if isinstance(hold, str):
+                await self._fail(channel, fetch, fetch.keys[i:], hold)
+                return
+            try:
+                nbytes = fingerprint.page_nbytes(key)
+                if len(hold.view) != nbytes:
+                    reason = f"supplied page has {len(hold.view)} bytes, layout says {nbytes}"
+                    await self._fail(channel, fetch, fetch.keys[i:], reason)
+                    return
+                checksum = await hold.checksum()
+                await channel.send_block(BlockHeader(key, nbytes, checksum), hold.view)
+            finally:
+                hold.close()
+
+    async def _fail(
+        self, channel: FrameChannel, fetch: Fetch, keys: tuple[OffloadKey, ...], reason: str
+    ) -> None:
+        logger.info(
+            "p2p fetch %s: failing %d of %d keys: %s",
+            fetch.kv_request_id,
+            len(keys),
+            len(fetch.keys),
+            reason,
+        )
+        await channel.send_frame(Fail(fetch.kv_request_id, keys, reason[:MAX_REASON_CHARS]))

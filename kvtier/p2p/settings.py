@@ -1,0 +1,49 @@
+"""Settings of the P2P tier (``KVTIER_P2P_*`` environment variables when built from the env).
+
+Construct :class:`P2PSettings` explicitly (``P2PSettings()`` reads the environment at that call,
+never at import) and pass it to the server, client and tier.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class P2PSettings(BaseSettings):
+    """Transport, wait and lease bounds. Every wait in the protocol is bounded by one of these."""
+
+    model_config = SettingsConfigDict(env_prefix="KVTIER_P2P_", frozen=True)
+
+    secret: SecretStr | None = None
+    """Shared secret for HMAC authentication. Without one, only loopback peers are accepted."""
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    """Listening port of the producer server (0: pick a free one)."""
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    handshake_timeout_s: float = Field(default=2.0, gt=0)
+    fetch_timeout_s: float = Field(default=10.0, gt=0)
+    """Consumer's default deadline for one fetch when the caller gives none."""
+    demand_wait_s: float = Field(default=5.0, gt=0)
+    """Longest a producer holds demand for a key while its request still runs."""
+    max_fetch_s: float = Field(default=60.0, gt=0)
+    """Longest a producer spends serving one fetch, whatever deadline the consumer names."""
+    unknown_request_wait_s: float = Field(default=0.5, ge=0)
+    """Grace for demand naming a kv_request_id the producer has not registered (yet)."""
+    lease_s: float = Field(default=30.0, gt=0)
+    """Supply lives this long after the producer request finishes (or after registration)."""
+    lease_check_interval_s: float = Field(default=0.5, gt=0)
+    idle_session_s: float = Field(default=60.0, gt=0)
+    """A connection with no frame for this long is closed (both ends)."""
+    max_frame_bytes: int = Field(default=4 << 20, ge=1024)
+    max_keys_per_fetch: int = Field(default=65_536, ge=1)
+    max_sessions_per_peer: int = Field(default=8, ge=1)
+    """Idle sessions a consumer keeps per producer."""
+    max_connections: int = Field(default=256, ge=1)
+    """Connections a producer serves at once; more are closed on accept (and logged)."""
+    socket_buffer_bytes: int = Field(default=4 << 20, ge=0)
+    """SO_SNDBUF / SO_RCVBUF (0 leaves the kernel default)."""
+    precompute_checksums: bool = True
+    """Hash each supplied page on a helper thread as it is registered, off the send path."""
+    released_memory: int = Field(default=4096, ge=0)
+    """How many released kv_request_ids are remembered so late demand fails at once."""

@@ -1,0 +1,86 @@
+"""``python -m kvtier.worker`` / ``kvtier-worker``: run one reference worker.
+
+    python -m kvtier.worker --role both --model tiny --port 8100 --p2p-port 5600 \\
+        --events-endpoint tcp://127.0.0.1:5557
+
+Settings come from (highest first) flags, ``--config FILE.yaml``, ``KVTIER_WORKER_*`` env vars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from kvtier.worker.server.app import create_app
+from kvtier.worker.settings import WorkerSettings
+
+_FLAGS: dict[str, dict[str, Any]] = {
+    "role": {"choices": ["producer", "consumer", "both"]},
+    "model": {"choices": ["tiny", "sim"]},
+    "served-model-name": {},
+    "host": {},
+    "port": {"type": int},
+    "advertise-host": {},
+    "p2p-port": {"type": int},
+    "events-endpoint": {},
+    "events-replay-endpoint": {},
+    "engine-id": {},
+    "device": {},
+    "num-pages": {"type": int},
+    "host-pages": {"type": int},
+    "max-model-len": {"type": int},
+    "max-running": {"type": int},
+    "max-batched-tokens": {"type": int},
+    "model-seed": {"type": int},
+    "sliding-window": {"type": int},
+    "dtype": {"choices": ["float64", "float32"]},
+    "sim-prefill-ms-per-token": {"type": float},
+    "sim-decode-ms-per-step": {"type": float},
+    "fetch-timeout-s": {"type": float},
+    "supply-lease-s": {"type": float},
+    "torch-threads": {"type": int},
+}
+
+
+def parse_settings(argv: list[str] | None = None) -> tuple[WorkerSettings, str]:
+    parser = argparse.ArgumentParser(
+        prog="kvtier-worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", type=Path, help="YAML file of settings")
+    parser.add_argument("--log-level", default="info")
+    for flag, kwargs in _FLAGS.items():
+        parser.add_argument(f"--{flag}", default=None, **kwargs)
+    args = vars(parser.parse_args(argv))
+    config: Path | None = args.pop("config")
+    log_level: str = args.pop("log_level")
+    overrides = {k: v for k, v in args.items() if v is not None}
+    if config is not None:
+        return WorkerSettings.from_file(config, **overrides), log_level
+    return WorkerSettings(**overrides), log_level
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings, log_level = parse_settings(argv)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if settings.torch_threads > 0:
+        torch.set_num_threads(settings.torch_threads)
+    app = create_app(settings)
+    print(
+        f"kvtier worker: role={settings.role} model={settings.model} "
+        f"http://{settings.host}:{settings.port}",
+        flush=True,
+    )
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Compute backends of the reference worker, behind one interface (:class:`ComputeBackend`)."""

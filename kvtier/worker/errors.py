@@ -1,0 +1,39 @@
+"""Typed errors of the reference worker (all are :class:`kvtier.errors.KvtierError`).
+
+Hierarchy::
+
+    KvtierError
+    └── WorkerError              the worker refused or failed a request
+        ├── InvalidRequest       a body the OpenAI API would answer with 400
+        │   └── ContextTooLong   prompt (+ max_tokens) longer than the model's context
+        ├── EngineClosed         the engine is shutting down
+        └── KVTransferParamsError malformed kv_transfer_params (the leg runs locally)
+"""
+
+from __future__ import annotations
+
+from kvtier.errors import KvtierError
+
+
+class WorkerError(KvtierError):
+    """The worker refused or failed a request."""
+
+
+class InvalidRequest(WorkerError, ValueError):
+    """A request body that the OpenAI API would answer with 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextTooLong(InvalidRequest):
+    """The prompt (plus the tokens asked for) does not fit the model's context."""
+
+
+class EngineClosed(WorkerError):
+    """The engine is shutting down and accepts no request."""
+
+
+class KVTransferParamsError(WorkerError, ValueError):
+    """``kv_transfer_params`` that name neither dialect correctly."""

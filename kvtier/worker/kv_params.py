@@ -1,0 +1,132 @@
+"""``kv_transfer_params`` in both dialects: which leg a request is, and the producer's answer.
+
+P2P dialect (kvtier):
+- producer leg ``{"remote_decoder": {"kv_request_id": K}}`` → answer
+  ``{"remote_host", "remote_port", "kv_request_id", "num_blocks"}``;
+- consumer leg ``{"remote_prefiller": {"kv_request_id", "remote_host", "remote_port"}}``.
+
+NIXL-shaped dialect (vLLM NixlConnector, see ``shared/wire``):
+- producer leg ``{"do_remote_decode": true, ...}`` → answer ``{"do_remote_prefill": true,
+  "do_remote_decode": false, "remote_engine_id", "remote_request_id", "remote_block_ids",
+  "remote_host", "remote_port", "tp_size"}``;
+- consumer leg: that answer, verbatim (extra keys tolerated); the blocks are pulled over kvtier
+  P2P from ``remote_host:remote_port`` under ``remote_request_id``.
+
+Anything else that is present but malformed raises :class:`KVTransferParamsError`; the server
+then runs the leg locally and counts it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvtier.worker.errors import KVTransferParamsError
+
+
+class Dialect(enum.Enum):
+    P2P = "p2p"
+    NIXL = "nixl"
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerLeg:
+    """This request computes the prompt's KV and supplies it under ``kv_request_id``."""
+
+    dialect: Dialect
+    kv_request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerLeg:
+    """This request pulls the prompt's KV from a producer, then decodes."""
+
+    dialect: Dialect
+    kv_request_id: str
+    remote_host: str
+    remote_port: int
+    num_blocks: int | None = None
+
+
+Leg = ProducerLeg | ConsumerLeg
+
+
+def _port(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise KVTransferParamsError(f"{what} must be a TCP port, got {value!r}")
+    return value
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise KVTransferParamsError(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
+def parse_leg(params: Mapping[str, object] | None, nixl_request_id: str) -> Leg | None:
+    """The leg ``params`` describe (None: a plain request).
+
+    ``nixl_request_id`` names the supply of a NIXL-shaped producer leg (which carries no id).
+    """
+    if not params:
+        return None
+    if "remote_decoder" in params:
+        decoder = params["remote_decoder"]
+        if not isinstance(decoder, Mapping):
+            raise KVTransferParamsError("remote_decoder must be an object")
+        return ProducerLeg(Dialect.P2P, _text(decoder.get("kv_request_id"), "kv_request_id"))
+    if "remote_prefiller" in params:
+        pre = params["remote_prefiller"]
+        if not isinstance(pre, Mapping):
+            raise KVTransferParamsError("remote_prefiller must be an object")
+        return ConsumerLeg(
+            Dialect.P2P,
+            _text(pre.get("kv_request_id"), "kv_request_id"),
+            _text(pre.get("remote_host"), "remote_host"),
+            _port(pre.get("remote_port"), "remote_port"),
+        )
+    if params.get("do_remote_decode") is True:
+        return ProducerLeg(Dialect.NIXL, nixl_request_id)
+    if params.get("do_remote_prefill") is True:
+        block_ids = params.get("remote_block_ids")
+        num_blocks = len(block_ids) if isinstance(block_ids, Sequence) else None
+        return ConsumerLeg(
+            Dialect.NIXL,
+            _text(params.get("remote_request_id"), "remote_request_id"),
+            _text(params.get("remote_host"), "remote_host"),
+            _port(params.get("remote_port"), "remote_port"),
+            num_blocks,
+        )
+    if "do_remote_decode" in params or "do_remote_prefill" in params:
+        return None  # NIXL fields present, both false: a plain request
+    raise KVTransferParamsError(f"unrecognised kv_transfer_params keys: {sorted(params)}")
+
+
+def producer_answer(
+    leg: ProducerLeg,
+    *,
+    host: str,
+    port: int,
+    num_blocks: int,
+    block_ids: Sequence[int],
+    engine_id: str,
+) -> dict[str, object]:
+    """The ``kv_transfer_params`` a producer leg returns, in the leg's dialect."""
+    if leg.dialect is Dialect.P2P:
+        return {
+            "remote_host": host,
+            "remote_port": port,
+            "kv_request_id": leg.kv_request_id,
+            "num_blocks": num_blocks,
+        }
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": leg.kv_request_id,
+        "remote_block_ids": list(block_ids),
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": 1,
+    }

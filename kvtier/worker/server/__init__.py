@@ -1,0 +1,1 @@
+"""The worker's HTTP server: OpenAI-compatible endpoints in front of the engine."""

@@ -1,0 +1,111 @@
+"""Prometheus metrics of one worker, read from its live state at scrape time (no globals)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from kvtier.worker.p2p_connector import P2PConnector
+from kvtier.worker.worker import Worker
+
+_COUNTERS = {
+    "prompt_tokens": "Prompt tokens of admitted requests",
+    "prefix_hit_tokens": "Prompt tokens served from the device prefix cache",
+    "generated_tokens": "Tokens generated",
+    "finished_requests": "Requests finished normally",
+    "aborted_requests": "Requests aborted (client gone or shutdown)",
+    "failed_requests": "Requests failed by the engine",
+    "recomputed_tokens": "Tokens a consumer leg recomputed that its producer should have supplied",
+    "p2p_bytes_fetched": "Bytes fetched from producers over P2P",
+    "p2p_blocks_fetched": "Blocks fetched from producers over P2P",
+    "p2p_fetch_failures": "Consumer legs whose P2P fetch fell short",
+    "kv_params_fallbacks": "Legs with malformed or unreachable kv_transfer_params run locally",
+    "p2p_blocks_supplied": "Blocks producer legs offered to the P2P tier",
+}
+
+
+class WorkerCollector(Collector):
+    """Exports engine gauges and counters of one :class:`Worker`."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._worker.engine
+        prefix = "kvtier_worker_"
+        yield GaugeMetricFamily(prefix + "running_requests", "Requests running", engine.num_running)
+        yield GaugeMetricFamily(prefix + "waiting_requests", "Requests waiting", engine.num_waiting)
+        usage = GaugeMetricFamily(
+            prefix + "kv_usage_ratio", "Used fraction of each KV pool", labels=["group"]
+        )
+        cached = GaugeMetricFamily(
+            prefix + "kv_cached_blocks", "Blocks in each pool's prefix cache", labels=["group"]
+        )
+        for pool in engine.kv.pools:
+            usage.add_metric([str(pool.spec.index)], pool.usage)
+            cached.add_metric([str(pool.spec.index)], pool.num_cached)
+        yield usage
+        yield cached
+        referenced = GaugeMetricFamily(
+            prefix + "kv_referenced_pages",
+            "Device pages of each pool held by a request (leak check: 0 when idle)",
+            labels=["group"],
+        )
+        for pool in engine.kv.pools:
+            referenced.add_metric([str(pool.spec.index)], sum(1 for r in pool.refcounts() if r))
+        yield referenced
+        yield from self._resources()
+        stats = self._worker.stats
+        for name, doc in _COUNTERS.items():
+            yield CounterMetricFamily(prefix + name, doc, value=getattr(stats, name))
+
+    def _resources(self) -> Iterator[Metric]:
+        """Gauges that return to their idle values when nothing leaks (supplies, pins, tasks)."""
+        prefix = "kvtier_worker_"
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # scraped outside the event loop
+            tasks = 0
+        yield GaugeMetricFamily(prefix + "asyncio_tasks", "Live asyncio tasks", tasks)
+        try:
+            fds = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            fds = 0
+        yield GaugeMetricFamily(prefix + "open_fds", "Open file descriptors", fds)
+        conn = self._worker.connector
+        if not isinstance(conn, P2PConnector):
+            return
+        supply = conn.registry.stats()
+        pool = conn.pool.stats()
+        yield GaugeMetricFamily(
+            prefix + "p2p_supplies", "Producer supplies held (kv_request_ids)", supply.requests
+        )
+        yield GaugeMetricFamily(
+            prefix + "p2p_supply_pages", "Host pages held by producer supplies", supply.held_pages
+        )
+        yield GaugeMetricFamily(
+            prefix + "p2p_sending_pages", "Host pages pinned by a send right now", supply.sending
+        )
+        yield GaugeMetricFamily(
+            prefix + "host_referenced_pages", "Host pages with a reference", pool.referenced
+        )
+        yield GaugeMetricFamily(
+            prefix + "host_writing_pages", "Host pages with a write in flight", pool.writing
+        )
+        yield GaugeMetricFamily(
+            prefix + "offload_requests",
+            "Requests the tiering manager tracks",
+            conn.manager.stats().requests,
+        )
+
+
+def worker_registry(worker: Worker) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerCollector(worker))
+    return registry

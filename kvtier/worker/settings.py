@@ -1,0 +1,78 @@
+"""Worker settings (pydantic-settings): CLI flags, ``KVTIER_WORKER_*`` env vars or a YAML file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Role = Literal["producer", "consumer", "both"]
+ModelName = Literal["tiny", "sim"]
+
+
+class WorkerSettings(BaseSettings):
+    """Everything the worker needs; passed explicitly, never read from globals."""
+
+    model_config = SettingsConfigDict(env_prefix="KVTIER_WORKER_", extra="forbid")
+
+    role: Role = "both"
+    model: ModelName = "tiny"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    advertise_host: str | None = None
+    """Host a consumer should connect to for P2P (defaults to ``host``)."""
+    p2p_port: int = 0
+    """P2P server port of a producer (0: any free port)."""
+    p2p_secret: str = ""
+    events_endpoint: str | None = None
+    """ZMQ PUB endpoint for KV events, e.g. ``tcp://*:5557`` (None: no events)."""
+    events_replay_endpoint: str | None = None
+    """ZMQ ROUTER endpoint answering replay requests (None: no replay)."""
+    engine_id: str = ""
+    device: str = "auto"
+    block_size: int = 16
+    num_pages: int = 1024
+    host_pages: int = 1024
+    max_model_len: int = 4096
+    max_running: int = 64
+    max_batched_tokens: int = 2048
+    default_max_tokens: int = 256
+    """Chat requests without max_tokens generate at most this many (within the context)."""
+    model_seed: int = 0
+    # tiny
+    tiny_hidden: int = 64
+    tiny_layers: int = 4
+    tiny_heads: int = 4
+    tiny_kv_heads: int = 2
+    tiny_ffn: int = 128
+    sliding_window: int = 64
+    dtype: Literal["float64", "float32"] = "float64"
+    # sim latency model
+    sim_prefill_ms_per_token: float = 0.0
+    sim_decode_ms_per_step: float = 0.0
+    # KV transfer
+    fetch_timeout_s: float = 10.0
+    supply_lease_s: float = 60.0
+    torch_threads: int = Field(default=0, description="0: leave torch's default")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or f"kvtier-{self.model}"
+
+    @property
+    def hash_seed(self) -> str:
+        """The block-hash seed: names the model so different models never share blocks."""
+        return f"{self.model_name}/seed={self.model_seed}"
+
+    @classmethod
+    def from_file(cls, path: Path, **overrides: Any) -> WorkerSettings:
+        """Settings from a YAML mapping, with explicit overrides (e.g. CLI flags) on top."""
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        data.update(overrides)
+        return cls(**data)

@@ -1,0 +1,27 @@
+"""Counters of the engine and its KV transfers (exported by the server's /metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Monotonic counters; the server turns them into Prometheus metrics."""
+
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    failed_requests: int = 0
+    recomputed_tokens: int = 0
+    """Tokens a consumer leg computed although its producer was expected to supply their KV."""
+    p2p_bytes_fetched: int = 0
+    p2p_blocks_fetched: int = 0
+    p2p_fetch_failures: int = 0
+    """Consumer legs whose fetch failed in part or whole (the missing range was recomputed)."""
+    kv_params_fallbacks: int = 0
+    """Legs whose kv_transfer_params were malformed or unreachable; they ran locally."""
+    p2p_blocks_supplied: int = 0
+    """Blocks a producer leg offered to the P2P tier."""

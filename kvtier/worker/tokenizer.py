@@ -1,0 +1,39 @@
+"""The byte tokenizer of both backends: token ``b`` is byte ``b``; 256 is end of sequence."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+BYTE_TOKENS = 256
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, with a minimal chat template."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if t < BYTE_TOKENS).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
+        """``<|role|>\\ncontent\\n`` per message, then the assistant's header."""
+        parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
+        parts.append("<|assistant|>\n")
+        return "".join(parts)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of byte tokens into text, holding back split UTF-8 sequences."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        if token_id >= BYTE_TOKENS:
+            return ""
+        return str(self._decoder.decode(bytes([token_id])))
+
+    def flush(self) -> str:
+        return str(self._decoder.decode(b"", final=True))

@@ -1,0 +1,178 @@
+"""A misbehaving producer can shorten the consumer's prefix, never corrupt it (I6)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+import xxhash
+
+from kvtier.p2p.channel import FrameChannel, tune_socket
+from kvtier.p2p.client import FetchResult
+from kvtier.p2p.frames import LENGTH_PREFIX, BlockHeader, Done, Fail, Fetch, PeerNodeId
+from kvtier.p2p.handshake import LocalIdentity, server_handshake
+
+from .conftest import (
+    FINGERPRINT,
+    PAGE,
+    Pair,
+    make_keys,
+    make_pair,
+    payload,
+    producer_ctx,
+    write_page,
+)
+
+Script = Callable[[FrameChannel, Fetch], Awaitable[None]]
+
+
+async def good_block(channel: FrameChannel, key: bytes) -> None:
+    data = payload(key)
+    await channel.send_block(
+        BlockHeader(key, len(data), xxhash.xxh3_64_intdigest(data)),  # type: ignore[arg-type]
+        memoryview(data),
+    )
+
+
+async def run_against(script: Script, n: int = 4) -> tuple[Pair, FetchResult]:
+    """Serve one fetch of ``n`` keys with ``script``; returns the consumer pair and result."""
+    loop = asyncio.get_running_loop()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    identity = LocalIdentity(PeerNodeId("fake-producer"), FINGERPRINT, None)
+
+    async def serve() -> None:
+        sock, _ = await loop.sock_accept(listener)
+        tune_socket(sock, 0)
+        channel = FrameChannel(sock, 1 << 20)
+        try:
+            await server_handshake(channel, identity)
+            fetch = await channel.read_frame()
+            assert isinstance(fetch, Fetch)
+            await script(channel, fetch)
+            await asyncio.sleep(0.05)
+        finally:
+            channel.close()
+
+    server = asyncio.create_task(serve())
+    pair = await make_pair()
+    try:
+        result = await pair.client.fetch(
+            "127.0.0.1", listener.getsockname()[1], "k", make_keys(n), time.monotonic() + 2
+        )
+        await server
+    finally:
+        listener.close()
+        await pair.client.close()
+        await pair.server.stop()
+    return pair, result
+
+
+async def test_wrong_checksum_is_not_installed() -> None:
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        await good_block(channel, fetch.keys[0])
+        data = payload(fetch.keys[1])
+        await channel.send_block(
+            BlockHeader(fetch.keys[1], PAGE, xxhash.xxh3_64_intdigest(data) ^ 1), memoryview(data)
+        )
+        for key in fetch.keys[2:]:
+            await good_block(channel, key)
+
+    pair, result = await run_against(script)
+    assert result.usable == 1 and "checksum" in (result.reason or "")
+    assert pair.consumer_pool.stats().readable == 1
+    pair.assert_baseline()
+
+
+async def _corrupt_header(channel: FrameChannel, fetch: Fetch, **change: object) -> None:
+    await good_block(channel, fetch.keys[0])
+    fields = {"key": fetch.keys[1], "nbytes": PAGE, "checksum": 0} | change
+    await channel.send_block(BlockHeader(**fields), memoryview(bytes(PAGE)))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        lambda ch, f: _corrupt_header(ch, f, key=f.keys[2]),  # out of order
+        lambda ch, f: _corrupt_header(ch, f, key=b"\x07" * 18),  # never demanded
+        lambda ch, f: _corrupt_header(ch, f, nbytes=PAGE // 2),  # wrong size for the layout
+    ],
+    ids=["out-of-order", "undemanded", "wrong-size"],
+)
+async def test_malformed_headers_end_the_prefix(script: Script) -> None:
+    pair, result = await run_against(script)
+    assert result.usable == 1
+    assert pair.consumer_pool.stats().readable == 1
+    pair.assert_baseline()
+
+
+async def test_truncated_payload() -> None:
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        await good_block(channel, fetch.keys[0])
+        data = payload(fetch.keys[1])
+        await channel.send_frame(BlockHeader(fetch.keys[1], PAGE, xxhash.xxh3_64_intdigest(data)))
+        await channel.sock_send_for_test(data[: PAGE // 3]) if False else None
+        await asyncio.get_running_loop().sock_sendall(channel.sock, data[: PAGE // 3])
+
+    pair, result = await run_against(script)
+    assert result.usable == 1 and result.reason is not None
+    pair.assert_baseline()
+
+
+async def test_oversize_frame_and_bad_fail_frame() -> None:
+    async def oversize(channel: FrameChannel, fetch: Fetch) -> None:
+        await good_block(channel, fetch.keys[0])
+        await asyncio.get_running_loop().sock_sendall(channel.sock, LENGTH_PREFIX.pack(1 << 30))
+
+    pair, result = await run_against(oversize)
+    assert result.usable == 1 and "frame length" in (result.reason or "")
+    pair.assert_baseline()
+
+    async def bad_fail(channel: FrameChannel, fetch: Fetch) -> None:
+        await channel.send_frame(Fail(fetch.kv_request_id, fetch.keys[1:], "skipping one"))
+
+    pair, result = await run_against(bad_fail)
+    assert result.usable == 0 and "out of order" in (result.reason or "")
+    pair.assert_baseline()
+
+
+async def test_unexpected_frame_during_fetch() -> None:
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        await good_block(channel, fetch.keys[0])
+        await channel.send_frame(Done(fetch.kv_request_id))
+
+    pair, result = await run_against(script)
+    assert result.usable == 1 and "unexpected Done" in (result.reason or "")
+    pair.assert_baseline()
+
+
+async def test_consumer_pool_exhausted_ends_the_prefix() -> None:
+    pair = await make_pair(consumer_pages=2)
+    try:
+        keys = make_keys(5)
+        ctx = producer_ctx("k")
+        pair.tier.on_new_request(ctx)
+        for key in keys:
+            write_page(pair.producer_pool, key)
+        pair.tier.submit_store(keys, ctx)
+        pair.tier.on_request_finished(ctx)
+        # Keep both consumer pages referenced so nothing can be evicted for the third block.
+        result = await pair.fetch("k", keys[:2], finish=False)
+        refs = [pair.consumer_pool.acquire(k) for k in keys[:2]]
+        try:
+            result = await pair.fetch("k", keys)
+        finally:
+            for ref in refs:
+                ref.release()
+        assert result.usable == 2 and "no free host page" in (result.reason or "")
+        assert pair.consumer_pool.stats().refusals == 1
+        await asyncio.sleep(0.05)
+        pair.assert_baseline()
+    finally:
+        await pair.client.close()
+        await pair.server.stop()

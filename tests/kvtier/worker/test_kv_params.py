@@ -1,0 +1,127 @@
+"""Both kv_transfer_params dialects: parsing legs and shaping the producer's answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.worker.errors import KVTransferParamsError
+from kvtier.worker.kv_params import (
+    ConsumerLeg,
+    Dialect,
+    ProducerLeg,
+    parse_leg,
+    producer_answer,
+)
+
+WIRE = Path(__file__).resolve().parents[4] / "shared" / "wire" / "vllm-toy-proxy-nixl-legs.json"
+
+
+def test_p2p_dialect() -> None:
+    assert parse_leg({"remote_decoder": {"kv_request_id": "K"}}, "n") == ProducerLeg(
+        Dialect.P2P, "K"
+    )
+    leg = parse_leg(
+        {"remote_prefiller": {"kv_request_id": "K", "remote_host": "h", "remote_port": 5600}}, "n"
+    )
+    assert leg == ConsumerLeg(Dialect.P2P, "K", "h", 5600)
+    answer = producer_answer(
+        ProducerLeg(Dialect.P2P, "K"),
+        host="h",
+        port=1,
+        num_blocks=3,
+        block_ids=[7, 8, 9],
+        engine_id="e",
+    )
+    assert answer == {"remote_host": "h", "remote_port": 1, "kv_request_id": "K", "num_blocks": 3}
+
+
+def test_nixl_dialect_round_trip() -> None:
+    producer = parse_leg(
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+        "cmpl-x-0",
+    )
+    assert producer == ProducerLeg(Dialect.NIXL, "cmpl-x-0")
+    assert isinstance(producer, ProducerLeg)
+    answer = producer_answer(
+        producer, host="127.0.0.1", port=5600, num_blocks=2, block_ids=[4, 5], engine_id="engine-P"
+    )
+    assert answer == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "engine-P",
+        "remote_request_id": "cmpl-x-0",
+        "remote_block_ids": [4, 5],
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
+    consumer = parse_leg({**answer, "engine_version_extra": 1}, "unused")
+    assert consumer == ConsumerLeg(Dialect.NIXL, "cmpl-x-0", "127.0.0.1", 5600, 2)
+
+
+def _wire_params() -> list[dict[str, Any]]:
+    if not WIRE.exists():  # the captures live next to the checkout, not inside it
+        return []
+    found: list[dict[str, Any]] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            kvp = node.get("kv_transfer_params")
+            if isinstance(kvp, dict) and kvp.get("do_remote_prefill") is True:
+                found.append(kvp)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(json.loads(WIRE.read_text()))
+    return found
+
+
+def test_captured_nixl_consumer_legs_parse() -> None:
+    params = _wire_params()
+    if not params:
+        pytest.skip("shared/wire captures are not next to this checkout")
+    for p in params:
+        if p.get("remote_host") is None:
+            continue
+        leg = parse_leg(p, "unused")
+        assert isinstance(leg, ConsumerLeg) and leg.dialect is Dialect.NIXL
+        assert leg.kv_request_id == p["remote_request_id"]
+
+
+@pytest.mark.parametrize(
+    "params", [None, {}, {"do_remote_decode": False, "do_remote_prefill": False}]
+)
+def test_plain_requests(params: dict[str, Any] | None) -> None:
+    assert parse_leg(params, "n") is None
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"remote_decoder": {}},
+        {"remote_decoder": {"kv_request_id": "  "}},
+        {"remote_decoder": ["K"]},
+        {"remote_prefiller": {"kv_request_id": "K", "remote_host": "h"}},
+        {"remote_prefiller": {"kv_request_id": "K", "remote_host": "h", "remote_port": True}},
+        {"remote_prefiller": {"kv_request_id": "K", "remote_host": "", "remote_port": 1}},
+        {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1},
+        {"unknown": 1},
+    ],
+)
+def test_malformed(params: dict[str, Any]) -> None:
+    with pytest.raises(KVTransferParamsError):
+        parse_leg(params, "n")
