@@ -14,6 +14,18 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from pdproxy.errors import NoBackendAvailable
+
+__all__ = [
+    "BackendView",
+    "NoBackendAvailable",
+    "RequestOutcome",
+    "Role",
+    "RouteDecision",
+    "RouteRequest",
+    "Router",
+]
+
 
 class Role(StrEnum):
     PRODUCER = "producer"
@@ -79,10 +91,6 @@ class RequestOutcome:
     ok: bool
     cached_tokens: int | None = None
     """``usage.prompt_tokens_details.cached_tokens`` from the consumer, when it reported one."""
-
-
-class NoBackendAvailable(Exception):
-    """No routable consumer exists (the request path answers 503)."""
 
 
 class Router(Protocol):
