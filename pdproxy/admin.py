@@ -1,0 +1,124 @@
+"""Admin API: list, add, remove and drain backends at run time (admin key required).
+
+Off unless ``admin_key`` is set. Changes live in memory only: the config file stays the
+source of truth on restart.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from pdproxy.backends import Backend, BackendRegistry
+from pdproxy.errors import ConfigError
+from pdproxy.headers import bearer_token
+from pdproxy.http_errors import error_response
+from pdproxy.settings import BackendConfig
+
+
+def backend_state(backend: Backend) -> dict[str, Any]:
+    return {
+        "name": backend.name,
+        "url": backend.url,
+        "role": backend.role.value,
+        "dialect": backend.dialect.value,
+        "healthy": backend.healthy,
+        "draining": backend.draining,
+        "breaker": backend.breaker.state.name.lower(),
+        "routable": backend.routable,
+        "in_flight": backend.in_flight,
+    }
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+class AdminApi:
+    def __init__(self, registry: BackendRegistry, admin_key: str | None) -> None:
+        self._registry = registry
+        self._key = admin_key
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin/backends", self._list, methods=["GET"]),
+            Route("/admin/backends", self._add, methods=["POST"]),
+            Route("/admin/backends/{name}", self._remove, methods=["DELETE"]),
+            Route("/admin/backends/{name}/drain", self._drain, methods=["POST"]),
+            Route("/admin/backends/{name}/undrain", self._undrain, methods=["POST"]),
+        ]
+
+    def _refusal(self, request: Request) -> Response | None:
+        if self._key is None:
+            return error_response(
+                404, "the admin API is disabled (no admin_key)", code="admin_disabled"
+            )
+        token = bearer_token(request.headers) or ""
+        if not hmac.compare_digest(token.encode(), self._key.encode()):
+            return error_response(
+                401, "invalid admin key", error_type="invalid_request_error",
+                code="invalid_api_key",
+            )  # fmt: skip
+        return None
+
+    async def _list(self, request: Request) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
+        return _json({"backends": [backend_state(b) for b in self._registry.all()]})
+
+    async def _add(self, request: Request) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
+        try:
+            config = BackendConfig.model_validate_json(await request.body())
+            backend = self._registry.add(config)
+        except ValidationError as exc:
+            return error_response(
+                400, f"invalid backend: {exc.errors(include_url=False)}",
+                error_type="invalid_request_error", code="invalid_backend",
+            )  # fmt: skip
+        except ConfigError as exc:
+            return error_response(
+                409, str(exc), error_type="invalid_request_error", code="backend_exists"
+            )
+        return _json(backend_state(backend), 201)
+
+    def _named(self, request: Request) -> Backend | Response:
+        name = request.path_params["name"]
+        backend = self._registry.get(name)
+        if backend is None:
+            return error_response(
+                404, f"no backend {name!r}", error_type="invalid_request_error",
+                code="unknown_backend",
+            )  # fmt: skip
+        return backend
+
+    async def _remove(self, request: Request) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
+        found = self._named(request)
+        if isinstance(found, Response):
+            return found
+        self._registry.remove(found.name)
+        return _json(backend_state(found))
+
+    async def _drain(self, request: Request) -> Response:
+        return await self._set_draining(request, True)
+
+    async def _undrain(self, request: Request) -> Response:
+        return await self._set_draining(request, False)
+
+    async def _set_draining(self, request: Request, draining: bool) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
+        found = self._named(request)
+        if isinstance(found, Response):
+            return found
+        found.draining = draining
+        return _json(backend_state(found))

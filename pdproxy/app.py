@@ -1,0 +1,194 @@
+"""``create_app(settings)``: the FastAPI application, with no module-level state.
+
+The hot routes are plain Starlette routes (no FastAPI dependency solving, no
+``BaseHTTPMiddleware``); everything the app needs hangs off one :class:`ProxyState`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import orjson
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from pdproxy import __version__
+from pdproxy.admin import AdminApi
+from pdproxy.admission import Admission
+from pdproxy.backends import BackendRegistry
+from pdproxy.health import HealthChecker
+from pdproxy.http_errors import error_response
+from pdproxy.metrics import ProxyMetrics
+from pdproxy.models import aggregate_models
+from pdproxy.request_path import RequestPath
+from pdproxy.routing.base import Router
+from pdproxy.routing.factory import build_router
+from pdproxy.settings import ProxySettings
+from pdproxy.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class ProxyState:
+    """Everything one proxy app owns."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        router: Router | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.registry = BackendRegistry(settings.breaker, clock)
+        for config in settings.backends:
+            self.registry.add(config)
+        self.router = (
+            router if router is not None else build_router(settings, registry=self.registry)
+        )
+        self.upstream = Upstream(settings.timeouts)
+        self.admission = Admission(settings.admission)
+        self.metrics = ProxyMetrics(self.registry, lambda: self.admission.queue_depth)
+        self.health = HealthChecker(settings.health, self.registry, self.upstream)
+        self.request_path = RequestPath(
+            settings=settings,
+            registry=self.registry,
+            router=self.router,
+            upstream=self.upstream,
+            metrics=self.metrics,
+            admission=self.admission,
+        )
+        self.draining = False
+
+    def begin_drain(self) -> None:
+        """SIGTERM: readiness goes false; in-flight requests carry on."""
+        if not self.draining:
+            log.info("draining: readiness is now false")
+        self.draining = True
+
+    async def start(self) -> None:
+        await self.upstream.start()
+        await self.router.start()
+        await self.health.start()
+
+    async def close(self) -> None:
+        await self.health.close()
+        await self.request_path.drain_background(self.settings.timeouts.release_s)
+        await self.router.close()
+        await self.upstream.close()
+
+
+class ProxyApp(FastAPI):
+    """FastAPI with a fast path: the two completion routes skip the middleware stack.
+
+    Everything else (health, metrics, admin, lifespan) goes through FastAPI as usual.
+    """
+
+    pdproxy_state: ProxyState
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = _HOT_ROUTES.get(scope["path"])
+            if route is not None:
+                request = Request(scope, receive)
+                try:
+                    response = await self.pdproxy_state.request_path.handle(request, route)
+                except Exception:
+                    log.exception("unhandled error on %s", scope["path"])
+                    response = error_response(500, "internal proxy error", code="internal_error")
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+_HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def _json(data: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def create_app(
+    settings: ProxySettings,
+    *,
+    router: Router | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> ProxyApp:
+    """Build a proxy app. ``router`` overrides ``settings.router`` (tests, embedding)."""
+    state = ProxyState(settings, router, clock)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = ProxyApp(
+        title="pdproxy",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.pdproxy = state
+    app.pdproxy_state = state
+    path = state.request_path
+
+    async def completions(request: Request) -> Response:
+        return await path.handle(request, "completions")
+
+    async def chat_completions(request: Request) -> Response:
+        return await path.handle(request, "chat")
+
+    async def models(_: Request) -> Response:
+        return _json(await aggregate_models(state.registry, state.upstream))
+
+    async def health(_: Request) -> Response:
+        return _json({"status": "ok"})
+
+    async def ready(_: Request) -> Response:
+        if state.draining:
+            return _json({"ready": False, "reason": "draining"}, 503)
+        if not state.registry.ready():
+            return _json({"ready": False, "reason": "no healthy producer/consumer"}, 503)
+        return _json({"ready": True})
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(
+            exc.status_code,
+            str(exc.detail),
+            error_type="invalid_request_error",
+            code="not_found" if exc.status_code == 404 else "method_not_allowed"
+            if exc.status_code == 405 else "http_error",
+        )  # fmt: skip
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+    app.add_route("/ready", ready, methods=["GET"])
+    app.add_route("/metrics", metrics, methods=["GET"])
+    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+    app.router.routes.extend(AdminApi(state.registry, admin_key).routes())
+    return app
+
+
+def proxy_state(app: FastAPI) -> ProxyState:
+    """The :class:`ProxyState` of an app made by :func:`create_app`."""
+    state = app.state.pdproxy
+    assert isinstance(state, ProxyState)
+    return state

@@ -1,0 +1,52 @@
+"""Decode and re-encode client JSON bodies without re-typing anything.
+
+orjson is used for speed. It turns integers beyond 64 bits into floats, so a body holding a
+run of 19 or more digits (possibly such an integer) goes through the standard library instead,
+which keeps big integers exact. Floats round-trip exactly either way: both encoders write the
+shortest representation that reads back as the same double (``0.9`` stays ``0.9``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from pdproxy.errors import ClientRequestError
+
+_LONG_DIGITS = re.compile(rb"\d{19,}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientBody:
+    """A client's JSON object body: the raw bytes, the parsed mapping and its codec."""
+
+    raw: bytes
+    data: dict[str, Any]
+    exact_ints: bool
+    """True when the standard library decoded it (big integers present)."""
+
+    def encode(self, data: dict[str, Any]) -> bytes:
+        """Serialise an edited copy of ``data`` with the same codec that decoded it."""
+        if self.exact_ints:
+            return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        return orjson.dumps(data)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_body(raw: bytes) -> ClientBody:
+    """Parse a request body; raises a 400 :class:`ClientRequestError` unless a JSON object."""
+    exact = _LONG_DIGITS.search(raw) is not None
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant) if exact else orjson.loads(raw)
+    except ValueError as exc:
+        raise ClientRequestError(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ClientRequestError(400, "request body must be a JSON object")
+    return ClientBody(raw=raw, data=data, exact_ints=exact)

@@ -1,0 +1,106 @@
+"""Cancelling a request's in-flight work when its client leaves or its consumer goes quiet.
+
+One :class:`RequestCanceller` per request watches the ASGI ``receive`` channel for
+``http.disconnect`` and cancels the request's own task, but only while an *armed* section
+(an upstream leg, a relay) is running. No extra task per leg: the race between a leg and the
+client's disconnect costs one watcher task per request. :class:`IdleWatchdog` fires the same
+canceller when no consumer chunk arrived for ``idle_s``, with one timer per stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from starlette.types import Receive
+
+CLIENT_DISCONNECT = "client_disconnect"
+CONSUMER_IDLE = "consumer_idle"
+
+
+class RequestCanceller:
+    __slots__ = ("_armed", "_task", "_watch", "reason")
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("RequestCanceller needs a running task")
+        self._task = task
+        self._armed = False
+        self.reason: str | None = None
+        self._watch = asyncio.get_running_loop().create_task(self._listen(receive))
+
+    async def _listen(self, receive: Receive) -> None:
+        while True:
+            message: Any = await receive()
+            if message["type"] == "http.disconnect":
+                self.fire(CLIENT_DISCONNECT)
+                return
+
+    def fire(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        if self._armed:
+            self._armed = False
+            self._task.cancel()
+
+    @property
+    def fired(self) -> bool:
+        return self.reason is not None
+
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        """Within the block, a disconnect (or idle timeout) cancels the request's task."""
+        if self.reason is not None:
+            # Fired while disarmed: deliver it now, as if it had landed inside the block.
+            raise asyncio.CancelledError(self.reason)
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def owns(self, exc: asyncio.CancelledError) -> bool:
+        """True if ``exc`` is this canceller's doing; then the task's cancel is undone."""
+        if self.reason is None:
+            return False
+        if self._task.cancelling():
+            self._task.uncancel()
+        return True
+
+    def close(self) -> None:
+        self._armed = False
+        self._watch.cancel()
+
+
+class IdleWatchdog:
+    """Fires ``canceller`` with :data:`CONSUMER_IDLE` when ``touch`` is not called for idle_s."""
+
+    __slots__ = ("_canceller", "_handle", "_idle_s", "_last", "_loop")
+
+    def __init__(self, canceller: RequestCanceller, idle_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._canceller = canceller
+        self._idle_s = idle_s
+        self._last = self._loop.time()
+        self._handle: asyncio.TimerHandle | None = self._loop.call_at(
+            self._last + idle_s, self._check
+        )
+
+    def touch(self) -> None:
+        self._last = self._loop.time()
+
+    def _check(self) -> None:
+        due = self._last + self._idle_s
+        if self._loop.time() >= due:
+            self._handle = None
+            self._canceller.fire(CONSUMER_IDLE)
+        else:
+            self._handle = self._loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

@@ -1,0 +1,112 @@
+"""Typed errors of pdproxy.
+
+Hierarchy::
+
+    ProxyError
+    ├── ConfigError            settings that cannot work (unknown router, duplicate backend names)
+    ├── NoBackendAvailable     no routable consumer exists (503)
+    ├── ClientRequestError     the client's request is refused before any leg (status + code)
+    │   ├── BodyTooLarge       413 while reading the body
+    │   └── Overloaded         admission queue full or wait timed out (429 + Retry-After)
+    ├── LegFailed              an upstream leg failed (connect, timeout, retryable status)
+    └── LegRefused             an upstream answered a client error (4xx): relayed as is
+
+``ClientRequestError`` carries the HTTP status and the OpenAI error ``type``/``code`` so the
+request path answers with OpenAI-shaped JSON without guessing.
+"""
+
+from __future__ import annotations
+
+
+class ProxyError(Exception):
+    """Base of every error pdproxy raises on purpose."""
+
+
+class ConfigError(ProxyError, ValueError):
+    """Settings that cannot work."""
+
+
+class NoBackendAvailable(ProxyError):
+    """No routable consumer exists (the request path answers 503)."""
+
+
+class ClientRequestError(ProxyError):
+    """A client request refused by the proxy itself, with its HTTP status and error code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        error_type: str = "invalid_request_error",
+        code: str = "invalid_request",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.code = code
+        self.headers = headers or {}
+
+
+class BodyTooLarge(ClientRequestError):
+    """The request body exceeded the configured limit while it was read (413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413,
+            f"request body exceeds {limit} bytes",
+            code="request_too_large",
+        )
+
+
+class Overloaded(ClientRequestError):
+    """Admission refused the request: the wait queue is full or the wait timed out (429)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(
+            429,
+            message,
+            error_type="rate_limit_error",
+            code="overloaded",
+            headers={"retry-after": str(retry_after_s)},
+        )
+
+
+class LegFailed(ProxyError):
+    """An upstream leg failed in a way that retrying elsewhere may fix.
+
+    ``status`` is the upstream HTTP status when one arrived (5xx, 429), else None (connect
+    error, timeout, reset). ``body`` holds the upstream error body when one was read.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        reason: str,
+        *,
+        status: int | None = None,
+        body: bytes = b"",
+        timed_out: bool = False,
+    ) -> None:
+        super().__init__(f"{backend}: {reason}")
+        self.backend = backend
+        self.reason = reason
+        self.status = status
+        self.body = body
+        self.timed_out = timed_out
+
+
+class LegRefused(ProxyError):
+    """An upstream answered a non-retryable client error (4xx other than 408/429).
+
+    Retrying elsewhere would fail the same way, so the request path relays it to the client.
+    """
+
+    def __init__(self, backend: str, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"{backend}: refused with {status}")
+        self.backend = backend
+        self.status = status
+        self.body = body
+        self.content_type = content_type

@@ -1,0 +1,76 @@
+"""Active health checks: GET each backend's health path on an interval.
+
+A backend turns unhealthy after ``unhealthy_threshold`` consecutive failed checks and healthy
+again after ``healthy_threshold`` consecutive good ones, so an ejected backend comes back by
+itself. Checks run concurrently and are bounded by the health-check timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from pdproxy.backends import Backend, BackendRegistry
+from pdproxy.settings import HealthSettings
+from pdproxy.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(
+        self, settings: HealthSettings, registry: BackendRegistry, upstream: Upstream
+    ) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._upstream = upstream
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._settings.enabled and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self._settings.interval_s)
+
+    async def check_all(self) -> None:
+        backends = self._registry.all()
+        if backends:
+            await asyncio.gather(*(self.check(b) for b in backends))
+
+    async def check(self, backend: Backend) -> None:
+        try:
+            status, _ = await self._upstream.get(
+                backend.url + backend.config.health_path,
+                {"authorization": backend.auth_header} if backend.auth_header else None,
+            )
+            ok = status < 400
+        except Exception as exc:
+            log.debug("health check of %s failed: %r", backend.name, exc)
+            ok = False
+        self.record(backend, ok)
+
+    def record(self, backend: Backend, ok: bool) -> None:
+        s = self._settings
+        if ok:
+            backend.health_failures = 0
+            backend.health_successes += 1
+            if not backend.healthy and backend.health_successes >= s.healthy_threshold:
+                backend.healthy = True
+                log.info("backend %s is healthy again", backend.name)
+        else:
+            backend.health_successes = 0
+            backend.health_failures += 1
+            if backend.healthy and backend.health_failures >= s.unhealthy_threshold:
+                backend.healthy = False
+                log.warning("backend %s is unhealthy; ejected", backend.name)

@@ -1,0 +1,46 @@
+"""OpenAI-shaped error bodies and responses: ``{"error": {"message", "type", "code"}}``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import orjson
+from starlette.responses import Response
+
+from pdproxy.errors import ClientRequestError
+
+
+def error_body(message: str, error_type: str, code: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": error_type, "code": code}})
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    error_type: str = "server_error",
+    code: str = "proxy_error",
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    return Response(
+        error_body(message, error_type, code),
+        status_code=status,
+        headers=dict(headers) if headers else None,
+        media_type="application/json",
+    )
+
+
+def client_error_response(
+    exc: ClientRequestError, headers: Mapping[str, str] | None = None
+) -> Response:
+    merged = dict(exc.headers)
+    if headers:
+        merged.update(headers)
+    return error_response(
+        exc.status, exc.message, error_type=exc.error_type, code=exc.code, headers=merged
+    )
+
+
+def stream_error_event(message: str, code: str) -> bytes:
+    """An SSE event carrying an OpenAI-shaped error, to end a stream that already started."""
+    return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"

@@ -1,0 +1,102 @@
+"""Leg building: pure functions from the client's body to each leg's body.
+
+Producer leg: the client's body with ``stream: false``, ``max_tokens: 1`` (added if absent),
+``max_completion_tokens: 1`` if present, ``stream_options``, ``min_tokens`` and
+``min_completion_tokens`` removed, and the dialect's ``kv_transfer_params``.
+
+Consumer leg: the client's body with only ``kv_transfer_params`` set (NIXL: the producer's
+returned object verbatim; P2P: ``remote_prefiller`` built from the producer's answer), or the
+client's raw bytes unchanged when there is nothing to set (aggregated backends, fallback).
+
+Every other field is left exactly as the client sent it: nothing is re-typed or defaulted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, NewType
+
+import orjson
+
+from pdproxy.body import ClientBody
+from pdproxy.errors import LegFailed
+from pdproxy.settings import Dialect
+
+KvRequestId = NewType("KvRequestId", str)
+
+PRODUCER_REMOVED_FIELDS = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def new_kv_request_id() -> KvRequestId:
+    """A fresh 128-bit random id naming one producer supply (P2P dialect)."""
+    return KvRequestId(os.urandom(16).hex())
+
+
+def producer_kv_params(dialect: Dialect, kv_request_id: KvRequestId) -> dict[str, Any]:
+    if dialect is Dialect.NIXL:
+        return {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+    if dialect is Dialect.P2P:
+        return {"remote_decoder": {"kv_request_id": kv_request_id}}
+    raise ValueError(f"dialect {dialect} has no producer leg")
+
+
+def producer_body(body: ClientBody, kv_params: Mapping[str, Any]) -> bytes:
+    data = dict(body.data)
+    data["stream"] = False
+    data["max_tokens"] = 1
+    if "max_completion_tokens" in data:
+        data["max_completion_tokens"] = 1
+    for name in PRODUCER_REMOVED_FIELDS:
+        data.pop(name, None)
+    data["kv_transfer_params"] = kv_params
+    return body.encode(data)
+
+
+def consumer_body(body: ClientBody, kv_params: Mapping[str, Any] | None) -> bytes:
+    if kv_params is None:
+        return body.raw
+    data = dict(body.data)
+    data["kv_transfer_params"] = kv_params
+    return body.encode(data)
+
+
+def consumer_kv_params(
+    dialect: Dialect, producer: str, answer: bytes, kv_request_id: KvRequestId
+) -> dict[str, Any]:
+    """Build the consumer's ``kv_transfer_params`` from the producer's JSON answer.
+
+    Raises :class:`LegFailed` when the answer lacks what the dialect needs: the producer leg
+    then counts as failed (retry elsewhere or fall back to the consumer alone).
+    """
+    try:
+        parsed = orjson.loads(answer)
+    except orjson.JSONDecodeError as exc:
+        raise LegFailed(producer, "producer answer is not JSON") from exc
+    kvp = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    if not isinstance(kvp, dict):
+        raise LegFailed(producer, "producer answer has no kv_transfer_params object")
+    if dialect is Dialect.NIXL:
+        return kvp
+    if dialect is Dialect.P2P:
+        host, port = kvp.get("remote_host"), kvp.get("remote_port")
+        if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool):
+            raise LegFailed(producer, "producer answer lacks remote_host/remote_port")
+        answered_id = kvp.get("kv_request_id", kv_request_id)
+        if answered_id != kv_request_id:
+            raise LegFailed(producer, "producer answered a different kv_request_id")
+        return {
+            "remote_prefiller": {
+                "kv_request_id": kv_request_id,
+                "remote_host": host,
+                "remote_port": port,
+            }
+        }
+    raise ValueError(f"dialect {dialect} has no consumer kv_transfer_params")

@@ -1,0 +1,68 @@
+"""P2P supply release: tell a producer to drop a supply that no consumer will fetch.
+
+Sent (fire and forget, tracked so shutdown can wait for it) when the client leaves after the
+producer leg started, when every consumer failed, when a stream broke, and for producer
+attempts that failed or were abandoned. Releases are idempotent on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import orjson
+
+from pdproxy.backends import Backend
+from pdproxy.headers import REQUEST_ID, with_backend_auth
+from pdproxy.legs import KvRequestId
+from pdproxy.metrics import ProxyMetrics
+from pdproxy.settings import Dialect
+from pdproxy.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+RELEASE_PATH = "/v1/kv/release"
+
+
+@dataclass(frozen=True, slots=True)
+class Supply:
+    """A supply a producer may hold for one request."""
+
+    producer: Backend
+    kv_request_id: KvRequestId
+    dialect: Dialect
+
+
+class SupplyReleaser:
+    def __init__(self, upstream: Upstream, metrics: ProxyMetrics) -> None:
+        self._upstream = upstream
+        self._metrics = metrics
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def release(self, supply: Supply, request_id: str) -> None:
+        """Schedule ``POST /v1/kv/release`` for a P2P supply; other dialects have none."""
+        if supply.dialect is not Dialect.P2P:
+            return
+        task = asyncio.get_running_loop().create_task(self._send(supply, request_id))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _send(self, supply: Supply, request_id: str) -> None:
+        producer = supply.producer
+        headers = with_backend_auth(
+            {"content-type": "application/json", REQUEST_ID: request_id}, producer.auth_header
+        )
+        body = orjson.dumps({"kv_request_id": supply.kv_request_id})
+        try:
+            status = await self._upstream.post_json(producer.url + RELEASE_PATH, body, headers)
+        except Exception as exc:
+            self._metrics.releases.labels(result="error").inc()
+            log.warning("request %s: release on %s failed: %r", request_id, producer.name, exc)
+            return
+        self._metrics.releases.labels(result="ok" if status < 400 else "refused").inc()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) for releases still in flight; used at shutdown."""
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=timeout_s)

@@ -1,0 +1,216 @@
+"""Proxy settings: one pydantic-settings object, passed explicitly.
+
+Sources, highest priority first: keyword arguments (the CLI), environment variables
+(``PDPROXY_*``, nested with ``__``, e.g. ``PDPROXY_TIMEOUTS__CONNECT_S=1``), the config file
+(YAML or JSON, named by ``config_file``), then defaults. Nothing is read at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from pdproxy.errors import ConfigError
+from pdproxy.routing.base import Role
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class Dialect(StrEnum):
+    """How a producer/consumer pair exchanges ``kv_transfer_params``."""
+
+    NIXL = "nixl"
+    """vLLM NixlConnector: the producer's returned params go verbatim to the consumer."""
+    P2P = "p2p"
+    """kvtier workers: ``remote_decoder``/``remote_prefiller`` with a proxy-chosen id."""
+    NONE = "none"
+    """Aggregated backends: one leg, the client's body unchanged."""
+
+
+class BackendConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    url: str
+    role: Role
+    dialect: Dialect = Dialect.NIXL
+    api_key: SecretStr | None = None
+    """Sent upstream as ``Authorization: Bearer <key>``; no header when unset."""
+    events_endpoint: str | None = None
+    """KV events publisher (e.g. ``tcp://host:5557``) for the KV-aware router."""
+    health_path: str = "/health"
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise ValueError(f"backend name {value!r} must match {_NAME_RE.pattern}")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"backend url {value!r} must start with http:// or https://")
+        return value.rstrip("/")
+
+
+class ApiKey(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: SecretStr
+    trusted: bool = False
+    """Trusted callers may send their own ``kv_transfer_params``."""
+
+
+class TimeoutSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    connect_s: float = Field(default=3.0, gt=0)
+    producer_total_s: float = Field(default=120.0, gt=0)
+    consumer_first_byte_s: float = Field(default=300.0, gt=0)
+    """Until the consumer's headers (and, for streams, its first chunk) arrive."""
+    consumer_idle_s: float = Field(default=60.0, gt=0)
+    """Longest silence between two consumer chunks."""
+    health_check_s: float = Field(default=2.0, gt=0)
+    release_s: float = Field(default=2.0, gt=0)
+
+
+class RetrySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    producer_attempts: int = Field(default=2, ge=1)
+    consumer_attempts: int = Field(default=2, ge=1)
+    backoff_base_s: float = Field(default=0.01, ge=0)
+    backoff_max_s: float = Field(default=0.25, ge=0)
+    budget_s: float = Field(default=10.0, gt=0)
+    """Most time spent on producer attempts before falling back to the consumer alone."""
+    fallback_to_consumer: bool = True
+
+
+class HealthSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    interval_s: float = Field(default=2.0, gt=0)
+    healthy_threshold: int = Field(default=2, ge=1)
+    unhealthy_threshold: int = Field(default=2, ge=1)
+
+
+class BreakerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    failure_threshold: int = Field(default=5, ge=1)
+    """Consecutive failed requests that open the breaker."""
+    open_s: float = Field(default=5.0, gt=0)
+    """How long an open breaker refuses traffic before one half-open probe."""
+
+
+class AdmissionSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_concurrent: int = Field(default=1024, ge=1)
+    queue_size: int = Field(default=1024, ge=0)
+    queue_timeout_s: float = Field(default=10.0, gt=0)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """Reads the YAML/JSON file named by ``config_file``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self._data = load_config_file(path) if path is not None else {}
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Parse a YAML or JSON config file into a mapping."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path} does not parse: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level")
+    data.pop("config_file", None)
+    return data
+
+
+class ProxySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="PDPROXY_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    config_file: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    log_level: str = "info"
+
+    backends: list[BackendConfig] = Field(default_factory=list)
+    router: Literal["round_robin", "least_loaded", "kv"] = "round_robin"
+    router_options: dict[str, Any] = Field(default_factory=dict)
+    """Free-form options for the chosen router (the KV-aware router validates its own)."""
+
+    api_keys: list[ApiKey] = Field(default_factory=list)
+    """Client keys; empty means no client authentication."""
+    admin_key: SecretStr | None = None
+    """Bearer key for ``/admin``; the admin API is off when unset."""
+
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    retries: RetrySettings = Field(default_factory=RetrySettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+
+    drain_delay_s: float = Field(default=0.0, ge=0)
+    """After SIGTERM: seconds with readiness false before the listener closes."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """After SIGTERM: the longest in-flight requests may take to finish."""
+    server_timing: bool = True
+
+    @model_validator(mode="after")
+    def _unique_backend_names(self) -> ProxySettings:
+        names = [b.name for b in self.backends]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate backend names: {dupes}")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path: Path | None = None
+        if isinstance(init_settings, InitSettingsSource):
+            raw = init_settings.init_kwargs.get("config_file")
+            path = Path(raw) if raw is not None else None
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls, path))

@@ -1,0 +1,21 @@
+"""The proxy benchmark runs end to end (tiny and bounded); its figures are not asserted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_proxy_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_proxy", "--duration", "0.2",
+         "--max-requests", "40", "--concurrency", "1"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "proxy vs floor" in out
+    rows = [line for line in out.splitlines() if line.startswith(("nonstream", "stream64"))]
+    assert len(rows) == 4
+    assert all(line.split()[-1] == "0" for line in rows)  # no request failed
