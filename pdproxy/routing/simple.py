@@ -26,65 +26,53 @@ def _rotated(items: Sequence[_T], start: int) -> list[_T]:
     return [*items[k:], *items[:k]]
 
 
-class RoundRobinRouter:
+class _LoadOnlyRouter:
+    """Shared rotation; subclasses only decide how to order the rotated candidates."""
+
+    reason = ""
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    async def start(self) -> None:
+        return None
+
+    def _rank(self, candidates: list[BackendView]) -> list[BackendView]:
+        return candidates
+
+    async def route(
+        self,
+        request: RouteRequest,
+        producers: Sequence[BackendView],
+        consumers: Sequence[BackendView],
+    ) -> RouteDecision:
+        if not consumers:
+            raise NoBackendAvailable("no routable consumer")
+        turn = self._turn
+        self._turn = turn + 1
+        return RouteDecision(
+            consumers=self._rank(_rotated(consumers, turn)),
+            producers=self._rank(_rotated(producers, turn)),
+            reason=self.reason,
+        )
+
+    async def finished(self, decision: RouteDecision, outcome: RequestOutcome) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class RoundRobinRouter(_LoadOnlyRouter):
     """Each request starts one further along both lists."""
 
-    def __init__(self) -> None:
-        self._turn = 0
-
-    async def start(self) -> None:
-        return None
-
-    async def route(
-        self,
-        request: RouteRequest,
-        producers: Sequence[BackendView],
-        consumers: Sequence[BackendView],
-    ) -> RouteDecision:
-        if not consumers:
-            raise NoBackendAvailable("no routable consumer")
-        turn = self._turn
-        self._turn = turn + 1
-        return RouteDecision(
-            consumers=_rotated(consumers, turn),
-            producers=_rotated(producers, turn),
-            reason="round-robin",
-        )
-
-    async def finished(self, decision: RouteDecision, outcome: RequestOutcome) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
+    reason = "round-robin"
 
 
-class LeastLoadedRouter:
+class LeastLoadedRouter(_LoadOnlyRouter):
     """Fewest requests in flight first; ties broken round-robin so load spreads evenly."""
 
-    def __init__(self) -> None:
-        self._turn = 0
+    reason = "least-loaded"
 
-    async def start(self) -> None:
-        return None
-
-    async def route(
-        self,
-        request: RouteRequest,
-        producers: Sequence[BackendView],
-        consumers: Sequence[BackendView],
-    ) -> RouteDecision:
-        if not consumers:
-            raise NoBackendAvailable("no routable consumer")
-        turn = self._turn
-        self._turn = turn + 1
-        return RouteDecision(
-            consumers=sorted(_rotated(consumers, turn), key=lambda b: b.in_flight),
-            producers=sorted(_rotated(producers, turn), key=lambda b: b.in_flight),
-            reason="least-loaded",
-        )
-
-    async def finished(self, decision: RouteDecision, outcome: RequestOutcome) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
+    def _rank(self, candidates: list[BackendView]) -> list[BackendView]:
+        return sorted(candidates, key=lambda b: b.in_flight)  # stable: keeps the rotation
