@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from pdproxy.app import ProxyState, create_app, proxy_state
 from pdproxy.errors import ConfigError
 from pdproxy.settings import ProxySettings
+from pdproxy.stack import add_up_command
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def add_serve_command(subparsers: Any) -> None:
     serve.set_defaults(handler=_serve)
 
 
-COMMANDS: list[Callable[[Any], None]] = [add_serve_command]
+COMMANDS: list[Callable[[Any], None]] = [add_serve_command, add_up_command]
 """Subcommand registrars; each receives the subparsers object."""
 
 

@@ -1,0 +1,186 @@
+"""What the local stack runs: worker and proxy commands, ports and the proxy's config.
+
+Pure: builds :class:`ProcessSpec` values and the proxy config mapping from the options and a
+port source; starting them is the supervisor's job. Workers publish KV events on their own
+ZMQ endpoint; the proxy's KV-aware router subscribes to every one of them and keeps residency
+in memory (or in Redis with ``redis_url``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pdproxy.stack.process import ProcessSpec
+
+PortSource = Callable[[], int]
+
+
+class WorkerModel(StrEnum):
+    TINY = "tiny"
+    SIM = "sim"
+
+
+class StackDialect(StrEnum):
+    P2P = "p2p"
+    NIXL = "nixl"
+
+
+BLOCK_SIZE = 16
+"""The reference worker's default block size; the router hashes prompts with the same."""
+
+
+@dataclass(frozen=True, slots=True)
+class StackOptions:
+    producers: int = 1
+    consumers: int = 1
+    model: WorkerModel = WorkerModel.TINY
+    dialect: StackDialect = StackDialect.P2P
+    redis_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    python: str = sys.executable
+    worker_args: tuple[str, ...] = ()
+    """Extra flags passed to every worker (e.g. ``--sim-decode-ms-per-step 5``)."""
+    proxy_args: tuple[str, ...] = ()
+    router: str = "kv"
+    """The proxy's router; ``kv`` (KV-aware, fed by the workers' events) unless told otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class StackPlan:
+    options: StackOptions
+    workers: tuple[ProcessSpec, ...]
+    proxy: ProcessSpec
+    proxy_config: dict[str, Any]
+    config_path: Path
+    endpoint: str
+    model_name: str
+    events: dict[str, str] = field(default_factory=dict)
+    """Worker name → the ZMQ endpoint its KV events are published on."""
+    admin_key: str = ""
+    """The proxy's admin API key (a fresh random one per stack; the status board uses it)."""
+
+    @property
+    def specs(self) -> tuple[ProcessSpec, ...]:
+        """Workers first, proxy last (the supervisor stops in reverse: proxy first)."""
+        return (*self.workers, self.proxy)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (another process may still take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def model_name(model: WorkerModel) -> str:
+    """The name the reference worker serves (``WorkerSettings.model_name``'s default)."""
+    return f"kvtier-{model.value}"
+
+
+def _url_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_port) -> StackPlan:
+    if options.producers < 1 or options.consumers < 1:
+        raise ValueError("a PD stack needs at least one producer and one consumer")
+    host = _url_host(options.host)
+    secret = secrets.token_hex(16)
+    admin_key = secrets.token_hex(16)
+    name = model_name(options.model)
+    workers: list[ProcessSpec] = []
+    backends: list[dict[str, Any]] = []
+    events: dict[str, str] = {}
+    replay: dict[str, str] = {}
+    roles = [("producer", i) for i in range(options.producers)]
+    roles += [("consumer", i) for i in range(options.consumers)]
+    for role, i in roles:
+        worker = f"{role[0]}{i}"  # p0, p1, ..., c0, c1, ...
+        http_port = ports()
+        events_endpoint = f"tcp://127.0.0.1:{ports()}"
+        replay_endpoint = f"tcp://127.0.0.1:{ports()}"
+        argv = (
+            options.python, "-m", "kvtier.worker",
+            "--role", role,
+            "--model", options.model.value,
+            "--host", "127.0.0.1",
+            "--port", str(http_port),
+            "--events-endpoint", events_endpoint,
+            "--events-replay-endpoint", replay_endpoint,
+            "--engine-id", worker,
+            *options.worker_args,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{http_port}"
+        workers.append(
+            ProcessSpec(
+                name=worker,
+                argv=argv,
+                health_url=url + "/health",
+                env={"KVTIER_WORKER_P2P_SECRET": secret},
+                role=role,
+            )
+        )
+        backends.append(
+            {
+                "name": worker,
+                "url": url,
+                "role": role,
+                "dialect": options.dialect.value,
+                "events_endpoint": events_endpoint,
+            }
+        )
+        events[worker] = events_endpoint
+        replay[worker] = replay_endpoint
+    router_options: dict[str, Any] = {
+        "model_seed": f"{name}/seed=0",
+        "block_size": BLOCK_SIZE,
+        "events": dict(events),
+        "replay": dict(replay),
+        "tokenizer": {"kind": "bytes"},
+    }
+    if options.redis_url:
+        router_options["index_url"] = options.redis_url
+    proxy_config: dict[str, Any] = {
+        "host": options.host,
+        "port": options.port,
+        "backends": backends,
+        "router": options.router,
+        # Quick to admit (start-up), slow to eject: a busy laptop must not flap the workers.
+        "health": {"interval_s": 1.0, "healthy_threshold": 1, "unhealthy_threshold": 3},
+        "admin_key": admin_key,
+    }
+    if options.router == "kv":
+        proxy_config["router_options"] = router_options
+    config_path = run_dir / "proxy.yaml"
+    proxy_argv = (
+        options.python, "-m", "pdproxy.cli", "serve",
+        "--config", str(config_path),
+        "--host", options.host,
+        "--port", str(options.port),
+        *options.proxy_args,
+    )  # fmt: skip
+    proxy = ProcessSpec(
+        name="proxy",
+        argv=proxy_argv,
+        health_url=f"http://{host}:{options.port}/ready",
+        role="proxy",
+    )
+    return StackPlan(
+        options=options,
+        workers=tuple(workers),
+        proxy=proxy,
+        proxy_config=proxy_config,
+        config_path=config_path,
+        endpoint=f"http://{host}:{options.port}",
+        model_name=name,
+        events=events,
+        admin_key=admin_key,
+    )

@@ -1,0 +1,75 @@
+"""docker/Dockerfile: pinned CPU torch by default, a CUDA base by build arg, real paths."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from pdproxy.cli import build_parser, settings_from_args
+from tests.docker.conftest import DOCKER, ROOT
+
+TEXT = (DOCKER / "Dockerfile").read_text()
+
+
+def _instructions() -> list[tuple[str, str]]:
+    joined = re.sub(r"\\\n", " ", TEXT)
+    out = []
+    for raw in joined.splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def _args() -> dict[str, str]:
+    return dict(rest.split("=", 1) for word, rest in _instructions() if word == "ARG")
+
+
+def test_torch_is_pinned_like_scripts_dev_and_cpu_by_default() -> None:
+    args = _args()
+    dev = (ROOT / "scripts" / "dev").read_text()
+    pinned = re.search(r"TORCH_VERSION=\$\{TORCH_VERSION:-([0-9.]+)\}", dev)
+    assert pinned is not None and args["TORCH_VERSION"] == pinned.group(1) == "2.13.0"
+    assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    runs = [rest for word, rest in _instructions() if word == "RUN"]
+    torch_run = next(r for r in runs if '"torch==${TORCH_VERSION}"' in r)
+    assert '--index-url "${TORCH_INDEX_URL}"' in torch_run
+    # The project install re-states the pin so no resolver swaps the build.
+    assert any('.[worker,loadtest]" "torch==${TORCH_VERSION}"' in r for r in runs)
+
+
+def test_base_image_is_a_build_arg() -> None:
+    froms = [rest for word, rest in _instructions() if word == "FROM"]
+    assert froms == ["${BASE_IMAGE}"]
+    assert _args()["BASE_IMAGE"].startswith("python:3.1")
+    assert "cuda" in TEXT and "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in TEXT
+
+
+def test_copied_paths_exist_are_not_ignored_and_extras_exist() -> None:
+    copies = [rest.split() for word, rest in _instructions() if word == "COPY"]
+    sources = [s for parts in copies for s in parts[:-1]]
+    assert set(sources) >= {"pyproject.toml", "pdproxy", "kvtier", "loadtest"}
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+    for src in sources:
+        assert (ROOT / src).exists(), src
+        assert f"!{src}" in ignore or f"!{src}/**" in ignore, src
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert {"worker", "loadtest"} <= set(extras)
+
+
+def test_default_command_is_the_proxy_with_the_example_config() -> None:
+    cmd = next(rest for word, rest in _instructions() if word == "CMD")
+    argv = yaml.safe_load(cmd)
+    assert argv[0] == "pdproxy"
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "serve"
+    local = ROOT / Path(args.config).relative_to("/app")
+    args.config = local
+    settings = settings_from_args(args)
+    assert settings.backends
