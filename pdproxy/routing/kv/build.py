@@ -1,0 +1,137 @@
+"""Build the KV-aware router from its settings (the router factory's ``"kv"`` branch).
+
+Memory mode (no ``index_url``): a :class:`~kvtier.residency.memory.MemoryIndex` and load in
+this process. Redis mode: one Redis client (no retries, short timeouts) shared by a
+:class:`~kvtier.residency.redis_index.RedisIndex` and the shared load counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from kvtier.keys import BlockHasher
+from kvtier.residency.memory import MemoryIndex
+from kvtier.residency.types import ResidencyIndex
+from pdproxy.errors import ConfigError
+from pdproxy.routing.kv.router import KvRouter
+from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.routing.kv.telemetry import KvRouterMetrics
+from pdproxy.tokenize.build import build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EventSource(Protocol):
+    """A backend as the registry holds it: its name, URL and KV events endpoint."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def events_endpoint(self) -> str | None: ...
+
+
+class BackendSource(Protocol):
+    def all(self) -> Sequence[EventSource]: ...
+
+
+def parse_settings(options: Mapping[str, Any]) -> KvRouterSettings:
+    try:
+        return KvRouterSettings.model_validate(dict(options))
+    except ValidationError as exc:
+        raise ConfigError(f"invalid KV router options: {exc}") from exc
+
+
+def build_kv_router(
+    settings: KvRouterSettings,
+    *,
+    backends: BackendSource | None = None,
+    metrics_registry: CollectorRegistry | None = None,
+    feed_sync_interval_s: float = 1.0,
+) -> KvRouter:
+    """``backends`` (the live registry) adds every backend's ``events_endpoint`` to the
+    subscriptions, at start and whenever backends are added or removed later."""
+    hasher = BlockHasher(settings.model_seed, settings.block_size)
+    first_url = next((b.url for b in backends.all()), None) if backends is not None else None
+    tokenizer = build_tokenizer(settings.tokenizer, backend_url=first_url)
+    metrics = KvRouterMetrics(metrics_registry)
+    closers: list[Callable[[], Awaitable[None]]] = []
+    index: ResidencyIndex
+    shared_load = None
+    if settings.index_url is None:
+        index = MemoryIndex(hasher)
+    else:
+        from redis.asyncio import Redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings
+        from pdproxy.routing.kv.shared_load import RedisLoad
+
+        client = Redis.from_url(
+            settings.index_url,
+            socket_timeout=max(settings.redis_deadline_s * 10, 0.5),
+            socket_connect_timeout=settings.redis_deadline_s,
+            retry=Retry(NoBackoff(), 0),
+            max_connections=64,
+            health_check_interval=0,
+        )
+        index_settings = RedisIndexSettings.model_validate(
+            {
+                "url": settings.index_url,
+                "namespace": settings.key_prefix,
+                "deadline_s": settings.redis_deadline_s,
+            }
+        )
+        index = RedisIndex(hasher, index_settings, client=client)
+        shared_load = RedisLoad(
+            client,
+            prefix=settings.key_prefix,
+            model_seed=settings.model_seed,
+            replica_ttl_s=settings.replica_ttl_s,
+        )
+        closers.append(client.aclose)
+    router = KvRouter(
+        settings,
+        index=index,
+        tokenizer=tokenizer,
+        metrics=metrics,
+        shared_load=shared_load,
+        on_close=closers,
+    )
+    if backends is not None:
+        router.add_background(lambda: _follow_backends(router, backends, feed_sync_interval_s))
+    return router
+
+
+async def _follow_backends(router: KvRouter, backends: BackendSource, interval_s: float) -> None:
+    """Keep one event subscription per backend that announces an events endpoint."""
+    configured = dict(router.settings.events)
+    current = dict(configured)  # start() subscribed these
+    while True:
+        wanted = dict(configured)
+        for b in backends.all():
+            if b.events_endpoint:
+                wanted[b.name] = b.events_endpoint
+        for name in sorted(set(current) - set(wanted)):
+            await router.feeds.unsubscribe(name)
+            del current[name]
+        for name, endpoint in sorted(wanted.items()):
+            if current.get(name) != endpoint:
+                try:
+                    await router.feeds.subscribe(name, endpoint, router.settings.replay.get(name))
+                except Exception:
+                    logger.exception("KV events: cannot follow %s at %s", name, endpoint)
+                    continue
+                current[name] = endpoint
+                logger.info("KV events: following %s at %s", name, endpoint)
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,87 @@
+"""A plan turned into the request path's :class:`RouteDecision`, with its explanation.
+
+``explain`` is what the opt-in debug header and the debug log line show: the reason, where the
+residency came from (``memory``, ``redis`` or ``fallback``), the decision time, and per candidate
+its cost, its parts and its matched blocks per tier.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.keys import BlockHash
+from kvtier.residency.types import Match, NodeId
+from pdproxy.routing.base import BackendView, RouteDecision
+from pdproxy.routing.kv.cost import NO_MATCH, Plan, Score
+
+
+@dataclass(frozen=True, slots=True)
+class HashedPrompt:
+    tokens: int
+    hashes: list[BlockHash]
+
+
+def _rows(scores: Sequence[Score], matches: Mapping[NodeId, Match]) -> list[dict[str, object]]:
+    out = []
+    for s in scores:
+        row = s.explain()
+        m = matches.get(NodeId(s.name), NO_MATCH)
+        row.update(gpu=m.gpu, cpu=m.cpu, total=m.total, predicted=m.predicted)
+        out.append(row)
+    return out
+
+
+def decision_of(
+    plan: Plan,
+    *,
+    prods: Sequence[BackendView],
+    cons: Sequence[BackendView],
+    hashed: HashedPrompt | str,
+    matches: Mapping[NodeId, Match],
+    source: str,
+    decided_s: float,
+    route_s: float,
+) -> RouteDecision:
+    """``hashed`` is the prompt's hashes, or why it could not be hashed."""
+    by_p = {b.name: b for b in prods}
+    by_c = {b.name: b for b in cons}
+    explain: dict[str, Any] = {
+        "reason": plan.reason,
+        "index": source,
+        "decide_ms": round(decided_s * 1e3, 3),
+        "consumers": _rows(plan.consumer_scores, matches),
+        "producers": _rows(plan.producer_scores, matches),
+    }
+    if isinstance(hashed, HashedPrompt):
+        explain.update(prompt_tokens=hashed.tokens, blocks=len(hashed.hashes))
+    else:
+        explain["unhashable"] = hashed
+    load_only = plan.reason == "load-only"
+    return RouteDecision(
+        consumers=[by_c[n] for n in plan.consumers],
+        producers=[by_p[n] for n in plan.producers],
+        reason=plan.reason,
+        explain=explain,
+        predicted_cached_tokens=None if load_only else plan.predicted_cached_tokens,
+        prompt_tokens=hashed.tokens if isinstance(hashed, HashedPrompt) else None,
+        route_time_s=route_s,
+    )
+
+
+def debug_header_value(decision: RouteDecision, max_bytes: int = 4096) -> str:
+    """Compact JSON of the decision's explanation for an opt-in response header (ASCII only,
+    truncated to the best candidates when it would exceed ``max_bytes``)."""
+    explain = dict(decision.explain)
+    text = json.dumps(explain, separators=(",", ":"), ensure_ascii=True)
+    for keep in (3, 1, 0):
+        if len(text) <= max_bytes:
+            break
+        for side in ("consumers", "producers"):
+            rows = explain.get(side)
+            if isinstance(rows, list):
+                explain[side] = rows[:keep]
+        text = json.dumps(explain, separators=(",", ":"), ensure_ascii=True)
+    return text

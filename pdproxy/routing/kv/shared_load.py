@@ -1,0 +1,126 @@
+"""Load shared by proxy replicas through Redis: atomic counters per replica and node.
+
+Layout (all keys under one hash tag, so Redis Cluster keeps them in one slot)::
+
+    {<prefix>:<model>}:load       hash  "<replica>|if|<node>" → requests in flight
+                                        "<replica>|pt|<node>" → prefill tokens queued
+    {<prefix>:<model>}:replicas   zset  replica → heartbeat expiry (server clock, ms)
+
+Each replica changes only its own fields, with ``HINCRBY`` (atomic). A read sums the fields of
+live replicas in one script call, so a replica that died stops counting once its heartbeat
+expires, and a replica that starts late sees everyone's load at once. The heartbeat also rewrites
+the replica's own fields from its local view, which heals any change lost while Redis was away.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from pdproxy.routing.kv.load import LoadDelta, NodeLoad
+
+_READ = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
+local out = {}
+for i, node in ipairs(ARGV) do
+  local inflight, tokens = 0, 0
+  for _, r in ipairs(live) do
+    local v = redis.call('HMGET', KEYS[2], r .. '|if|' .. node, r .. '|pt|' .. node)
+    inflight = inflight + (tonumber(v[1]) or 0)
+    tokens = tokens + (tonumber(v[2]) or 0)
+  end
+  out[2 * i - 1] = inflight
+  out[2 * i] = tokens
+end
+return out
+"""
+
+# ARGV: replica, ttl_ms, then field/value pairs of the replica's own load.
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local me = ARGV[1]
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), me)
+local dead = {}
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)) do dead[r] = true end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
+  local owner = string.match(f, '^(.-)|')
+  if owner == me or dead[owner] then redis.call('HDEL', KEYS[2], f) end
+end
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+return #ARGV
+"""
+
+_LEAVE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if string.match(f, '^(.-)|') == ARGV[1] then redis.call('HDEL', KEYS[2], f) end
+end
+return 1
+"""
+
+
+def hash_tag(prefix: str, model_seed: str) -> str:
+    return "{" + f"{prefix}:{model_seed}" + "}"
+
+
+class RedisLoad:
+    """One replica's handle on the shared load counters."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str,
+        model_seed: str,
+        replica_ttl_s: float,
+        replica: str | None = None,
+    ) -> None:
+        tag = hash_tag(prefix, model_seed)
+        self._client = client
+        self._keys = (f"{tag}:replicas", f"{tag}:load")
+        self._ttl_ms = max(int(replica_ttl_s * 1000), 1)
+        self.replica = replica or uuid.uuid4().hex[:16]
+        self._read = client.register_script(_READ)
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._leave = client.register_script(_LEAVE)
+
+    async def read(self, nodes: Sequence[str]) -> dict[str, NodeLoad]:
+        if not nodes:
+            return {}
+        raw: list[Any] = await self._read(keys=self._keys, args=list(nodes))
+        return {
+            node: NodeLoad(max(int(raw[2 * i]), 0), max(int(raw[2 * i + 1]), 0))
+            for i, node in enumerate(nodes)
+        }
+
+    async def add(self, deltas: Sequence[LoadDelta]) -> None:
+        if not deltas:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for d in deltas:
+            if d.in_flight:
+                pipe.hincrby(self._keys[1], f"{self.replica}|if|{d.node}", d.in_flight)
+            if d.queued_tokens:
+                pipe.hincrby(self._keys[1], f"{self.replica}|pt|{d.node}", d.queued_tokens)
+        await pipe.execute()
+
+    async def heartbeat(self, own: Mapping[str, NodeLoad]) -> None:
+        """Mark this replica live and make its fields equal ``own`` (its local view)."""
+        args: list[str | int] = [self.replica, self._ttl_ms]
+        for node, load in own.items():
+            if load.in_flight:
+                args += [f"{self.replica}|if|{node}", load.in_flight]
+            if load.queued_tokens:
+                args += [f"{self.replica}|pt|{node}", load.queued_tokens]
+        await self._heartbeat(keys=self._keys, args=args)
+
+    async def leave(self) -> None:
+        """Withdraw this replica's load (on clean shutdown)."""
+        await self._leave(keys=self._keys, args=[self.replica])

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the KV-aware router (registered on the registry it is given)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_ROUTE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+)  # fmt: skip
+_DRIFT_BUCKETS = (
+    -8192.0, -2048.0, -512.0, -128.0, -32.0, -1.0, 0.0, 31.0, 127.0, 511.0, 2047.0, 8191.0,
+)  # fmt: skip
+
+
+class KvRouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry if registry is not None else CollectorRegistry()
+        self.registry = r
+        self.decisions = Counter(
+            "pdproxy_kv_router_decisions",
+            "Routing decisions by reason (kv-prefix, load, hot-spot, short-suffix, load-only...)",
+            ["reason"],
+            registry=r,
+        )
+        self.route_seconds = Histogram(
+            "pdproxy_kv_router_route_seconds",
+            "Time to decide (tokenize, hash, match, score, record)",
+            buckets=_ROUTE_BUCKETS,
+            registry=r,
+        )
+        self.unhashable = Counter(
+            "pdproxy_kv_router_unhashable",
+            "Requests routed by load alone because they could not be hashed",
+            ["reason"],
+            registry=r,
+        )
+        self.shared_state_up = Gauge(
+            "pdproxy_kv_router_shared_state_up",
+            "1 while the shared store (Redis) answers, 0 while routing falls back to load alone",
+            registry=r,
+        )
+        self.shared_state_up.set(1)
+        self.fallbacks = Counter(
+            "pdproxy_kv_router_fallbacks",
+            "Decisions made by load alone because the shared store failed or its breaker was open",
+            registry=r,
+        )
+        self.predicted_hit_tokens = Counter(
+            "pdproxy_kv_router_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen consumers to find cached",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdproxy_kv_router_prompt_tokens",
+            "Prompt tokens of hashed requests (denominator of the predicted hit rate)",
+            registry=r,
+        )
+        self.cached_tokens_drift = Histogram(
+            "pdproxy_kv_router_cached_tokens_drift",
+            "Engine-reported cached_tokens minus the router's prediction for the chosen consumer; "
+            "a persistent offset means hash or tokenizer drift",
+            ["mode"],
+            buckets=_DRIFT_BUCKETS,
+            registry=r,
+        )
+        self.event_apply_errors = Counter(
+            "pdproxy_kv_router_event_apply_errors",
+            "KV event batches the index could not apply (the node is forgotten on recovery)",
+            registry=r,
+        )
