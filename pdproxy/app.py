@@ -49,12 +49,16 @@ class ProxyState:
         self.registry = BackendRegistry(settings.breaker, clock)
         for config in settings.backends:
             self.registry.add(config)
-        self.router = (
-            router if router is not None else build_router(settings, registry=self.registry)
-        )
-        self.upstream = Upstream(settings.timeouts)
         self.admission = Admission(settings.admission)
         self.metrics = ProxyMetrics(self.registry, lambda: self.admission.queue_depth)
+        self.router = (
+            router
+            if router is not None
+            else build_router(
+                settings, registry=self.registry, metrics_registry=self.metrics.registry
+            )
+        )
+        self.upstream = Upstream(settings.timeouts)
         self.health = HealthChecker(settings.health, self.registry, self.upstream)
         self.request_path = RequestPath(
             settings=settings,
@@ -120,7 +124,9 @@ def create_app(
     router: Router | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> ProxyApp:
-    """Build a proxy app. ``router`` overrides ``settings.router`` (tests, embedding)."""
+    """Build a proxy app. ``router`` overrides ``settings.router`` (tests, embedding); a router
+    built from settings registers its metrics on the app's registry (``/metrics``), an injected
+    one keeps its own."""
     state = ProxyState(settings, router, clock)
 
     @asynccontextmanager

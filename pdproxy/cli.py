@@ -1,8 +1,9 @@
 """The ``pdproxy`` command.
 
-``pdproxy serve --config proxy.yaml [--host H] [--port N] [--producer URL] [--consumer URL]``
-runs the proxy under uvicorn (uvloop, httptools, no access log). Settings come from the config
-file, then ``PDPROXY_*`` environment variables, then these flags (highest priority).
+``pdproxy serve --config proxy.yaml [--host H] [--port N] [--producer URL] [--consumer URL]
+[--router NAME] [--index redis://...]`` runs the proxy under uvicorn (uvloop, httptools, no
+access log). Settings come from the config file, then ``PDPROXY_*`` environment variables, then
+these flags (highest priority).
 
 Subcommands are registered by functions in :data:`COMMANDS`; each adds its subparser and sets
 ``handler`` (``args -> exit status``) with ``set_defaults``.
@@ -77,7 +78,17 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     ]
     if backends:
         overrides["backends"] = backends
+    if args.index is not None:
+        if args.router not in (None, "kv"):
+            raise ConfigError(f"--index needs the KV router, not --router {args.router}")
+        if not args.index.startswith(_INDEX_SCHEMES):
+            raise ConfigError(f"--index {args.index!r} must start with one of {_INDEX_SCHEMES}")
+        overrides["router"] = "kv"
+        overrides["router_options"] = {"index_url": args.index}  # merged into the file's
     return ProxySettings(**overrides)
+
+
+_INDEX_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def run_server(settings: ProxySettings) -> None:
@@ -122,6 +133,11 @@ def add_serve_command(subparsers: Any) -> None:
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 8000)")
     serve.add_argument("--router", choices=["round_robin", "least_loaded", "kv"])
+    serve.add_argument(
+        "--index", metavar="URL",
+        help="shared residency index for the KV router (redis://host:6379/0): sets "
+        "router_options.index_url and implies --router kv (any other --router is an error)",
+    )  # fmt: skip
     serve.add_argument(
         "--producer", action="append", metavar="URL", help="producer backend (repeatable)"
     )

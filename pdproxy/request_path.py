@@ -33,8 +33,11 @@ from pdproxy.errors import (
 from pdproxy.exchange import Exchange, find_cached_tokens, report_to_router
 from pdproxy.headers import (
     REQUEST_ID,
+    ROUTE_EXPLAIN,
     request_id_for,
+    route_explain_value,
     upstream_base_headers,
+    wants_route_explain,
     with_backend_auth,
 )
 from pdproxy.http_errors import client_error_response, error_response
@@ -85,13 +88,21 @@ class RequestPath:
         self._idle_s = settings.timeouts.consumer_idle_s
         self._releaser = SupplyReleaser(upstream, metrics)
         self._rng = random.Random()
+        self._debug_headers = settings.debug_headers
 
     # ------------------------------------------------------------------ entry point
 
     async def handle(self, request: Request, route: str) -> Response:
+        exchange = Exchange(request_id_for(request.headers), route, self._finish)
+        response = await self._respond(request, exchange)
+        decision = exchange.decision
+        if self._debug_headers and decision is not None and wants_route_explain(request.headers):
+            response.headers[ROUTE_EXPLAIN] = route_explain_value(decision)
+        return response
+
+    async def _respond(self, request: Request, exchange: Exchange) -> Response:
         headers = request.headers
-        rid = request_id_for(headers)
-        exchange = Exchange(rid, route, self._finish)
+        rid = exchange.request_id
         try:
             trusted = self._keys.authenticate(headers)
             body = decode_body(await read_body(request, self._max_body))
@@ -178,7 +189,9 @@ class RequestPath:
         ex.decision = await self._router.route(
             RouteRequest(ex.request_id, ex.route, body.data), all_producers, all_consumers
         )
-        ex.route_s = time.perf_counter() - t
+        # Server-Timing's ``route``: the router's own decision time when it reports one (the
+        # KV router: tokenize, hash, match, score, record), else the time the call took here.
+        ex.route_s = ex.decision.route_time_s or time.perf_counter() - t
         consumers = self._resolve(ex.decision.consumers)
         if not consumers:
             raise NoBackendAvailable("the router chose no consumer")

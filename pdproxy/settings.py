@@ -51,6 +51,9 @@ class BackendConfig(BaseModel):
     """Sent upstream as ``Authorization: Bearer <key>``; no header when unset."""
     events_endpoint: str | None = None
     """KV events publisher (e.g. ``tcp://host:5557``) for the KV-aware router."""
+    events_replay_endpoint: str | None = None
+    """The publisher's replay socket (e.g. ``tcp://host:5559``): missed events are asked for
+    here. Takes precedence over ``router_options.replay`` for this backend."""
     health_path: str = "/health"
 
     @field_validator("name")
@@ -191,6 +194,9 @@ class ProxySettings(BaseSettings):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """After SIGTERM: the longest in-flight requests may take to finish."""
     server_timing: bool = True
+    debug_headers: bool = False
+    """Answer ``x-pdproxy-debug: 1`` with an ``x-pdproxy-route`` header explaining the routing
+    decision. Off by default: the explanation names backends and their load."""
 
     @model_validator(mode="after")
     def _unique_backend_names(self) -> ProxySettings:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdproxy.errors import ConfigError
@@ -9,13 +10,45 @@ from pdproxy.routing.base import Router
 from pdproxy.routing.simple import LeastLoadedRouter, RoundRobinRouter
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from pdproxy.backends import BackendRegistry
     from pdproxy.settings import ProxySettings
 
 
-def build_router(settings: ProxySettings, *, registry: BackendRegistry | None = None) -> Router:
+@dataclass(frozen=True, slots=True)
+class EventEndpoints:
+    """A backend's KV event sockets, as the KV router's event feeds follow them."""
+
+    name: str
+    url: str
+    events_endpoint: str | None
+    events_replay_endpoint: str | None
+
+
+class RegistryEventSource:
+    """The live backend registry seen as event sources (read afresh on every ``all()``)."""
+
+    def __init__(self, registry: BackendRegistry) -> None:
+        self._registry = registry
+
+    def all(self) -> list[EventEndpoints]:
+        return [
+            EventEndpoints(b.name, b.url, b.config.events_endpoint, b.config.events_replay_endpoint)
+            for b in self._registry.all()
+        ]
+
+
+def build_router(
+    settings: ProxySettings,
+    *,
+    registry: BackendRegistry | None = None,
+    metrics_registry: CollectorRegistry | None = None,
+) -> Router:
     """Build the configured router. ``registry`` is the live backend set, for routers that
-    need more than the candidates handed to ``route`` (the KV-aware router's event feeds)."""
+    need more than the candidates handed to ``route`` (the KV-aware router's event feeds);
+    ``metrics_registry`` is where a router with metrics of its own registers them (the proxy
+    passes its own, so ``/metrics`` shows them)."""
     if settings.router == "round_robin":
         return RoundRobinRouter()
     if settings.router == "least_loaded":
@@ -23,5 +56,9 @@ def build_router(settings: ProxySettings, *, registry: BackendRegistry | None = 
     if settings.router == "kv":
         from pdproxy.routing.kv.build import build_kv_router, parse_settings
 
-        return build_kv_router(parse_settings(settings.router_options), backends=registry)
+        return build_kv_router(
+            parse_settings(settings.router_options),
+            backends=RegistryEventSource(registry) if registry is not None else None,
+            metrics_registry=metrics_registry,
+        )
     raise ConfigError(f"unknown router {settings.router!r}")

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class EventSource(Protocol):
-    """A backend as the registry holds it: its name, URL and KV events endpoint."""
+    """A backend as the registry holds it: its name, URL and KV event sockets."""
 
     @property
     def name(self) -> str: ...
@@ -38,6 +38,11 @@ class EventSource(Protocol):
 
     @property
     def events_endpoint(self) -> str | None: ...
+
+    @property
+    def events_replay_endpoint(self) -> str | None:
+        """Preferred to ``KvRouterSettings.replay`` for this backend."""
+        ...
 
 
 class BackendSource(Protocol):
@@ -59,7 +64,10 @@ def build_kv_router(
     feed_sync_interval_s: float = 1.0,
 ) -> KvRouter:
     """``backends`` (the live registry) adds every backend's ``events_endpoint`` to the
-    subscriptions, at start and whenever backends are added or removed later."""
+    subscriptions, at start and whenever backends are added or removed later; a backend's
+    ``events_replay_endpoint`` wins over ``settings.replay`` for that backend."""
+    if backends is not None:
+        settings = _with_backend_replay(settings, backends.all())
     hasher = BlockHasher(settings.model_seed, settings.block_size)
     first_url = next((b.url for b in backends.all()), None) if backends is not None else None
     tokenizer = build_tokenizer(settings.tokenizer, backend_url=first_url)
@@ -113,25 +121,43 @@ def build_kv_router(
     return router
 
 
+def _with_backend_replay(
+    settings: KvRouterSettings, backends: Sequence[EventSource]
+) -> KvRouterSettings:
+    """``settings`` with the backends' replay endpoints over its own, so the subscriptions
+    made at start use them (no resubscription on the first sync)."""
+    announced = {b.name: b.events_replay_endpoint for b in backends if b.events_replay_endpoint}
+    if not announced:
+        return settings
+    return settings.model_copy(update={"replay": {**settings.replay, **announced}})
+
+
 async def _follow_backends(router: KvRouter, backends: BackendSource, interval_s: float) -> None:
-    """Keep one event subscription per backend that announces an events endpoint."""
-    configured = dict(router.settings.events)
-    current = dict(configured)  # start() subscribed these
+    """Keep one event subscription per backend that announces an events endpoint; a backend's
+    replay endpoint, when it has one, is preferred to the configured one."""
+    configured = router.settings.events
+    replay = router.settings.replay
+    # start() subscribed these:
+    current = {name: (ep, replay.get(name)) for name, ep in configured.items()}
     while True:
-        wanted = dict(configured)
+        wanted = {name: (ep, replay.get(name)) for name, ep in configured.items()}
         for b in backends.all():
-            if b.events_endpoint:
-                wanted[b.name] = b.events_endpoint
+            endpoint = b.events_endpoint or configured.get(b.name)
+            if endpoint:
+                wanted[b.name] = (endpoint, b.events_replay_endpoint or replay.get(b.name))
         for name in sorted(set(current) - set(wanted)):
             await router.feeds.unsubscribe(name)
             del current[name]
-        for name, endpoint in sorted(wanted.items()):
-            if current.get(name) != endpoint:
+        for name, (endpoint, replay_endpoint) in sorted(wanted.items()):
+            if current.get(name) != (endpoint, replay_endpoint):
                 try:
-                    await router.feeds.subscribe(name, endpoint, router.settings.replay.get(name))
+                    await router.feeds.subscribe(name, endpoint, replay_endpoint)
                 except Exception:
                     logger.exception("KV events: cannot follow %s at %s", name, endpoint)
                     continue
-                current[name] = endpoint
-                logger.info("KV events: following %s at %s", name, endpoint)
+                current[name] = (endpoint, replay_endpoint)
+                logger.info(
+                    "KV events: following %s at %s (replay %s)",
+                    name, endpoint, replay_endpoint or "none",
+                )  # fmt: skip
         await asyncio.sleep(interval_s)

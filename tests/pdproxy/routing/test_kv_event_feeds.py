@@ -24,6 +24,7 @@ class RegisteredBackend:
     name: str
     url: str
     events_endpoint: str | None
+    events_replay_endpoint: str | None = None
 
 
 class Registry:
