@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -44,12 +43,9 @@ from pdproxy.http_errors import client_error_response, error_response
 from pdproxy.intake import ClientKeys, read_body
 from pdproxy.legs import (
     consumer_body,
-    consumer_kv_params,
-    new_kv_request_id,
-    producer_body,
-    producer_kv_params,
 )
 from pdproxy.metrics import ProxyMetrics
+from pdproxy.producer_phase import ROUTE_PATHS, ProducerPhase
 from pdproxy.relay import RelayResponse
 from pdproxy.release import Supply, SupplyReleaser
 from pdproxy.routing.base import BackendView, Router, RouteRequest
@@ -58,7 +54,6 @@ from pdproxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
-ROUTE_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 FALLBACK_HEADER = "x-pdproxy-fallback"
 RETRIES_HEADER = "x-pdproxy-retries"
 CLIENT_CLOSED_STATUS = 499
@@ -87,7 +82,7 @@ class RequestPath:
         self._retries = settings.retries
         self._idle_s = settings.timeouts.consumer_idle_s
         self._releaser = SupplyReleaser(upstream, metrics)
-        self._rng = random.Random()
+        self._producers = ProducerPhase(upstream, self._releaser, metrics, settings.retries)
         self._debug_headers = settings.debug_headers
 
     # ------------------------------------------------------------------ entry point
@@ -207,7 +202,7 @@ class RequestPath:
         supply: Supply | None = None
         if producers:
             ex.stage = "producer"
-            answered = await self._producer_phase(ex, body, producers, dialect, base)
+            answered = await self._producers.run(ex, body, producers, dialect, base)
             if answered is None:
                 if not self._retries.fallback_to_consumer:
                     raise LegFailed("producers", "every producer attempt failed")
@@ -227,61 +222,6 @@ class RequestPath:
             stream=stream,
             supply=supply,
         )
-
-    async def _producer_phase(
-        self,
-        ex: Exchange,
-        body: ClientBody,
-        producers: list[Backend],
-        dialect: Dialect,
-        base: dict[str, str],
-    ) -> tuple[dict[str, Any], Supply] | None:
-        assert ex.canceller is not None
-        canceller = ex.canceller
-        path = ROUTE_PATHS[ex.route]
-        t = time.perf_counter()
-        deadline = t + self._retries.budget_s
-        try:
-            for attempt, producer in enumerate(producers[: self._retries.producer_attempts]):
-                if attempt:
-                    delay = self._backoff(attempt)
-                    if time.perf_counter() + delay >= deadline:
-                        break
-                    ex.retries += 1
-                    self._metrics.retries.labels(leg="producer").inc()
-                    with canceller.armed():
-                        await asyncio.sleep(delay)
-                kv_id = new_kv_request_id()
-                leg = producer_body(body, producer_kv_params(dialect, kv_id))
-                t_leg = time.perf_counter()
-                producer.begin()
-                try:
-                    with canceller.armed():
-                        answer = await self._upstream.producer_leg(
-                            producer, path, leg, with_backend_auth(base, producer.auth_header)
-                        )
-                    kv_params = consumer_kv_params(dialect, producer.name, answer, kv_id)
-                except LegFailed as exc:
-                    producer.breaker.record_failure()
-                    log.warning("request %s: producer leg failed: %s", ex.request_id, exc)
-                    self._releaser.release(Supply(producer, kv_id, dialect), ex.request_id)
-                    continue
-                except LegRefused:
-                    producer.breaker.record_success()
-                    raise
-                except BaseException:
-                    producer.breaker.record_abandoned()
-                    self._releaser.release(Supply(producer, kv_id, dialect), ex.request_id)
-                    raise
-                finally:
-                    producer.end()
-                producer.breaker.record_success()
-                self._metrics.observe_leg("producer", producer.name, time.perf_counter() - t_leg)
-                ex.producer = producer.name
-                return kv_params, Supply(producer, kv_id, dialect)
-            return None
-        finally:
-            ex.producer_s = time.perf_counter() - t
 
     async def _consumer_phase(
         self,
@@ -304,7 +244,7 @@ class RequestPath:
                     ex.retries += 1
                     self._metrics.retries.labels(leg="consumer").inc()
                     with canceller.armed():
-                        await asyncio.sleep(self._backoff(attempt))
+                        await asyncio.sleep(self._producers.backoff(attempt))
                 consumer.begin()
                 try:
                     with canceller.armed():
@@ -386,10 +326,6 @@ class RequestPath:
             if backend is not None:
                 out.append(backend)
         return out
-
-    def _backoff(self, attempt: int) -> float:
-        cap = min(self._retries.backoff_max_s, self._retries.backoff_base_s * (2 ** (attempt - 1)))
-        return self._rng.uniform(cap / 2, cap)
 
     def _client_headers(self, ex: Exchange) -> dict[str, str]:
         headers = {REQUEST_ID: ex.request_id}
