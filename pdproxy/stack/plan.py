@@ -99,7 +99,6 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
     workers: list[ProcessSpec] = []
     backends: list[dict[str, Any]] = []
     events: dict[str, str] = {}
-    replay: dict[str, str] = {}
     roles = [("producer", i) for i in range(options.producers)]
     roles += [("consumer", i) for i in range(options.consumers)]
     for role, i in roles:
@@ -135,15 +134,14 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
                 "role": role,
                 "dialect": options.dialect.value,
                 "events_endpoint": events_endpoint,
+                "events_replay_endpoint": replay_endpoint,
             }
         )
         events[worker] = events_endpoint
-        replay[worker] = replay_endpoint
     router_options: dict[str, Any] = {
         "model_seed": f"{name}/seed=0",
         "block_size": BLOCK_SIZE,
-        "events": dict(events),
-        "replay": dict(replay),
+        # Event sockets come from each backend's events_endpoint / events_replay_endpoint.
         "tokenizer": {"kind": "bytes"},
     }
     if options.redis_url:

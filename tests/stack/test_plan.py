@@ -57,10 +57,15 @@ def test_proxy_config_is_valid_and_wires_every_worker(tmp_path: Path) -> None:
     for backend, worker in zip(settings.backends, plan.workers, strict=True):
         assert worker.health_url == backend.url + "/health"
         assert backend.events_endpoint == plan.events[backend.name]
+        assert backend.events_replay_endpoint is not None
+        assert "--events-replay-endpoint" in worker.argv
+        assert worker.argv[worker.argv.index("--events-replay-endpoint") + 1] == (
+            backend.events_replay_endpoint
+        )
         assert backend.role.value == worker.role
     router = KvRouterSettings(**settings.router_options)
     assert router.index_url == "redis://127.0.0.1:6390/0"
-    assert router.events == plan.events and set(router.replay) == {"p0", "c0"}
+    assert router.events == {} and router.replay == {}  # the backends announce their sockets
     assert router.model_seed == f"{plan.model_name}/seed=0" and router.block_size == 16
     # The proxy command is the real CLI's, and it reads the config file the plan names.
     args = build_parser().parse_args(list(plan.proxy.argv[3:]))
