@@ -49,4 +49,13 @@ def decode_body(raw: bytes) -> ClientBody:
         raise ClientRequestError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ClientRequestError(400, "request body must be a JSON object")
+    if exact:
+        # The standard library accepts escaped lone surrogates ("\ud800") that orjson refuses and
+        # that no leg could be encoded with; refuse them here as orjson would.
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise ClientRequestError(
+                400, "request body is not valid JSON: lone surrogate in a string"
+            ) from exc
     return ClientBody(raw=raw, data=data, exact_ints=exact)

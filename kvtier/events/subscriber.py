@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvtier.errors import EventDecodeError
 from kvtier.events.codec import decode_batch
@@ -93,6 +94,8 @@ class EventSubscriber:
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._monitor_task: asyncio.Task[None] | None = None
+        self._publisher_lost = False
         self._closed = False
         self.stats = SubscriberStats()
 
@@ -116,6 +119,12 @@ class EventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        # Sequence numbers alone cannot tell a restarted publisher whose new sequence already
+        # passed ours from a plain gap; a dropped connection can, so watch for it.
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor_task = asyncio.create_task(
+            self._watch_connection(monitor), name=f"kv-events-monitor {self._name}"
+        )
         sub.connect(self.endpoint)
         self._task = asyncio.create_task(self._run(sub), name=f"kv-events-sub {self._name}")
         self._task.add_done_callback(self._log_crash)
@@ -123,12 +132,15 @@ class EventSubscriber:
     async def close(self) -> None:
         """Stop receiving and release the sockets (idempotent)."""
         self._closed = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in (self._task, self._monitor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._monitor_task = None
         if self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
             self._sub.close(linger=0)
             self._sub = None
         if self._ctx is not None and self._given_ctx is None:
@@ -156,6 +168,9 @@ class EventSubscriber:
                 continue
             seq, payload = parsed
             self.stats.received += 1
+            if self._publisher_lost:
+                self._publisher_lost = False
+                await self._resync_after_disconnect(seq)
             if seq < self._expected:
                 if seq <= self._replayed_upto:
                     self.stats.duplicates += 1
@@ -198,6 +213,30 @@ class EventSubscriber:
             self.stats.handler_errors += 1
             logger.exception("KV events from %s: handler failed on seq %d", self._name, seq)
         self.stats.delivered += 1
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                frames = await monitor.recv_multipart()
+                if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+                    self._publisher_lost = True
+        finally:
+            monitor.close(linger=0)
+
+    async def _resync_after_disconnect(self, seq: int) -> None:
+        """The connection dropped: the publisher may be a new process whose sequence started
+        over. Its residency can no longer be trusted, so reset and re-read the whole replay
+        buffer of whichever publisher is there now (after a mere network blip this forgets
+        blocks older than the buffer: routing under-estimates, never over-trusts)."""
+        await self._reset("connection to the publisher was lost (restart or network)")
+        self._replayed_upto = -1
+        if self.replay_endpoint is None:
+            self._expected = seq
+            return
+        self._expected = 0
+        await self._replay_from_expected()
+        if self._expected == 0:
+            self._expected = seq  # nothing replayed: follow the live stream from here
 
     async def _reset(self, reason: str) -> None:
         self.stats.resets += 1

@@ -140,11 +140,14 @@ class SupplyRegistry:
     # ---- producer side (any thread) ---------------------------------------------------------
 
     def open(self, kv_request_id: KvRequestId) -> None:
-        """K started on the producer: demand for its keys now waits instead of failing."""
+        """K started on the producer: demand for its keys now waits instead of failing.
+
+        A K released before it opened (the proxy's release raced ahead of the producer leg)
+        stays released: nothing is registered for it, so no page is held until a lease ends.
+        """
         with self._lock:
-            if self._closed:
+            if self._closed or kv_request_id in self._released:
                 return
-            self._released.pop(kv_request_id, None)
             if kv_request_id not in self._requests:
                 self._requests[kv_request_id] = _Supply(
                     kv_request_id, self._clock() + self._lease_s
@@ -204,12 +207,13 @@ class SupplyRegistry:
             self._wake(kv_request_id)
 
     def release(self, kv_request_id: KvRequestId, reason: str) -> bool:
-        """Drop K's supply and its page references. False when K held nothing."""
+        """Drop K's supply and its page references. False when K held nothing (it is still
+        remembered as released, so a later ``open`` of K registers nothing)."""
         with self._lock:
             entry = self._requests.pop(kv_request_id, None)
+            self._remember_released(kv_request_id, reason)
             if entry is None:
                 return False
-            self._remember_released(kv_request_id, reason)
             pages = self._detach(entry)
             self._wake(kv_request_id)
         for page in pages:

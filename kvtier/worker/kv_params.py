@@ -61,6 +61,8 @@ def _port(value: object, what: str) -> int:
 def _text(value: object, what: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise KVTransferParamsError(f"{what} must be a non-empty string, got {value!r}")
+    if not value.isascii():
+        raise KVTransferParamsError(f"{what} must be ASCII, got {value!r}")
     return value
 
 

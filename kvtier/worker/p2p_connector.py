@@ -109,6 +109,7 @@ class P2PConnector(KVConnector):
         ]
         self._copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-page-copy")
         self._inflight: dict[OffloadKey, asyncio.Future[None]] = {}
+        self._releases: set[asyncio.Task[None]] = set()
         worker.events.add_source(self.manager.take_events)
 
     @property
@@ -121,6 +122,10 @@ class P2PConnector(KVConnector):
             logger.info("p2p server %s listening on port %d", self.engine_id, self.server.port)
 
     async def close(self) -> None:
+        for task in list(self._releases):
+            task.cancel()
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
         try:
             if self.server is not None:
                 await self.server.stop()
@@ -260,6 +265,7 @@ class P2PConnector(KVConnector):
                 leg.remote_port,
                 result.reason,
             )
+            self._release_in_background(leg)
 
         def available(group: int, block: int) -> bool:
             if self._on_device(hashes, group, block):
@@ -268,6 +274,23 @@ class P2PConnector(KVConnector):
 
         hit = self.kv.hit_blocks(hashes, cap, has=available)
         await self._install(req, hashes, hit)
+
+    def _release_in_background(self, leg: ConsumerLeg) -> None:
+        """A fetch that fell short may end without its ``done`` (e.g. no free host page: the
+        session is dropped mid-stream). The rest is recomputed, so tell the producer to drop
+        the supply now rather than hold its pages until the lease ends. Off the request's path:
+        a dead producer must not delay the answer."""
+        client = self.client
+        if client is None:
+            return
+        deadline = time.monotonic() + self.p2p.connect_timeout_s
+
+        async def release() -> None:
+            await client.release(leg.remote_host, leg.remote_port, leg.kv_request_id, deadline)
+
+        task = asyncio.create_task(release(), name=f"p2p-release {leg.kv_request_id}")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _await_inflight(self, keys: Sequence[OffloadKey], deadline: float) -> None:
         """Wait (bounded by ``deadline``) for other requests' fetches of any of ``keys``: a

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Role = Literal["producer", "consumer", "both"]
@@ -27,7 +27,14 @@ class WorkerSettings(BaseSettings):
     """Host a consumer should connect to for P2P (defaults to ``host``)."""
     p2p_port: int = 0
     """P2P server port of a producer (0: any free port)."""
-    p2p_secret: str = ""
+    p2p_secret: str = Field(
+        default="",
+        validation_alias=AliasChoices(
+            "p2p_secret", "KVTIER_WORKER_P2P_SECRET", "KVTIER_P2P_SECRET"
+        ),
+    )
+    """Shared P2P secret; also read from ``KVTIER_P2P_SECRET``, the name DESIGN §5 and the
+    P2P server's warning give (empty: only loopback peers)."""
     events_endpoint: str | None = None
     """ZMQ PUB endpoint for KV events, e.g. ``tcp://*:5557`` (None: no events)."""
     events_replay_endpoint: str | None = None

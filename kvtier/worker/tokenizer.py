@@ -5,6 +5,8 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
+from kvtier.worker.errors import InvalidRequest
+
 BYTE_TOKENS = 256
 
 
@@ -12,7 +14,15 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens, with a minimal chat template."""
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        """The UTF-8 bytes of ``text``; raises :class:`InvalidRequest` for text that has none
+        (lone surrogates, which JSON escapes such as ``"\\ud800"`` can carry)."""
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                f"text is not valid Unicode (lone surrogate at position {exc.start})",
+                param="prompt",
+            ) from exc
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if t < BYTE_TOKENS).decode("utf-8", errors="replace")

@@ -272,3 +272,16 @@ def test_untouched_fields_survive_exactly(client: dict[str, Any], dialect: Diale
             assert cons[key] == value and type(cons[key]) is type(value)
     assert set(prod) - set(client) <= TOUCHED
     assert set(cons) - set(client) == ({"kv_transfer_params"} - set(client))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "\\ud800", "max_tokens": 2}',
+        b'{"prompt": "\\ud800", "max_tokens": 2, "n": 10000000000000000000000}',
+    ],
+)
+def test_lone_surrogates_are_refused_whichever_codec_decodes(raw: bytes) -> None:
+    with pytest.raises(ClientRequestError) as info:
+        decode_body(raw)
+    assert info.value.status == 400

@@ -72,6 +72,10 @@ def create_app(
             400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", param=loc or None
         )
 
+    @app.exception_handler(InvalidRequest)
+    async def _invalid_request(_: Request, exc: InvalidRequest) -> JSONResponse:
+        return error_response(400, str(exc), param=exc.param)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
@@ -220,7 +224,8 @@ class _Api:
                 ),
                 media_type="text/event-stream",
             )
-        return await self._collect(req, shape, request, outcome)
+        supply_id = leg.kv_request_id if isinstance(leg, ProducerLeg) and hook else None
+        return await self._collect(req, shape, request, outcome, supply_id)
 
     def _leg(self, body: _Sampling, response_id: str, request_id: str) -> Leg | None:
         params = body.kv_transfer_params
@@ -245,9 +250,17 @@ class _Api:
         return leg
 
     async def _collect(
-        self, req: EngineRequest, shape: ResponseShape, request: Request, outcome: ProducerOutcome
+        self,
+        req: EngineRequest,
+        shape: ResponseShape,
+        request: Request,
+        outcome: ProducerOutcome,
+        supply_id: str | None = None,
     ) -> Response:
+        """The whole answer. A producer leg whose client left never delivers its
+        ``kv_transfer_params``: its supply (``supply_id``) is released at once, not by lease."""
         engine = self.worker.engine
+        client_gone = False
         texts: list[str] = []
         token_ids: list[int] = []
         final: StepOutput | None = None
@@ -264,8 +277,9 @@ class _Api:
         try:
             while not task.done():
                 done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if not done and await request.is_disconnected():
+                if not done and not client_gone and await request.is_disconnected():
                     logger.info("request %s: client disconnected; aborting", req.request_id)
+                    client_gone = True
                     engine.abort(req)
             await task
         finally:
@@ -273,6 +287,20 @@ class _Api:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if (
+                supply_id is not None
+                and outcome.answer is not None
+                # A fast leg can finish before the first disconnect poll; a proxy's release
+                # sent when its client left may then have come before the supply existed.
+                and (client_gone or await request.is_disconnected())
+            ):
+                connector = self.worker.connector
+                if connector is not None and connector.release(supply_id):
+                    logger.info(
+                        "request %s: producer leg's client left; supply %s released",
+                        req.request_id,
+                        supply_id,
+                    )
         assert final is not None
         if final.finish is FinishReason.ERROR:
             return error_response(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -11,10 +12,19 @@ from fastapi.responses import JSONResponse
 from kvtier.worker.request import FinishReason, StepOutput
 
 
+class ErrorJSONResponse(JSONResponse):
+    """Error messages echo client text, which may hold lone surrogates (not encodable as
+    UTF-8, and rejected by strict JSON parsers even when escaped): they become ``?``."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, separators=(",", ":"))
+        return text.encode("utf-8", errors="replace")
+
+
 def error_response(
     status: int, message: str, *, err_type: str = "BadRequestError", param: str | None = None
 ) -> JSONResponse:
-    return JSONResponse(
+    return ErrorJSONResponse(
         status_code=status,
         content={"error": {"message": message, "type": err_type, "param": param, "code": status}},
     )

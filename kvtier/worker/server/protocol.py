@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _encodable(value: str | None) -> str | None:
+    """Text the worker hashes or echoes must be valid Unicode (no lone surrogates)."""
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError("text is not valid Unicode (lone surrogate)") from exc
+    return value
+
+
+UnicodeText = Annotated[str | None, AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
@@ -22,7 +35,8 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    """The range torch generators accept (a 64-bit seed, signed or not)."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -30,7 +44,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     kv_transfer_params: dict[str, Any] | None = None
-    cache_salt: str | None = None
+    cache_salt: UnicodeText = None
     return_token_ids: bool = False
     """vLLM extension: each choice carries the generated token ids (``token_ids``)."""
 

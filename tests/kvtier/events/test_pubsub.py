@@ -288,3 +288,42 @@ async def test_close_is_idempotent_and_publish_after_close_fails() -> None:
     states.append(sub.running)
     assert states == [False, True, False]
     await sub.close()
+
+
+async def test_restarted_publisher_whose_sequence_passed_ours_still_resets() -> None:
+    """A new publisher process on the same endpoints may have published more batches than the
+    old one before we reconnect: its sequence is *ahead* of ours, which looks like a gap. The
+    dropped connection is what gives the restart away; nothing from the old process survives."""
+    sink = Sink()
+    old = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    await old.start()
+    endpoint, replay = old.endpoint, old.replay_endpoint
+    assert replay is not None
+    sub = EventSubscriber(endpoint, replay, on_batch=sink.on_batch, on_reset=sink.on_reset)
+    try:
+        await sub.start()
+        await until(lambda: old.replays_served >= 1)
+        n = await prime(old, sub)  # batches 0..n-1 from the old process
+        await until(lambda: len(sink.batches) == n)
+        await old.close()
+        new = EventPublisher(endpoint, replay)
+        await new.start()
+        try:
+            for i in range(n + 5):  # ts 100+: the new process's batches, seq 0..n+4
+                await new.publish(batch(100 + i))
+            # Live traffic after the subscriber has reconnected reveals the restart.
+            async with asyncio.timeout(5):
+                i = n + 5
+                while sink.resets == 0 or sink.ts()[-1] < 100 + i - 1:
+                    await new.publish(batch(100 + i))
+                    i += 1
+                    await asyncio.sleep(0.05)
+            after_reset = sink.ts()[n:]
+            assert sink.resets >= 1
+            assert all(ts >= 100 for ts in after_reset)
+            assert after_reset == sorted(after_reset)
+            assert 100 in after_reset  # re-read from the new publisher's replay buffer
+        finally:
+            await new.close()
+    finally:
+        await sub.close()

@@ -149,3 +149,19 @@ async def test_send_takes_over_a_queued_checksum() -> None:
     assert registry.stats().sending == 0
     registry.close()
     assert page.releases == 1
+
+
+def test_release_that_races_ahead_of_open_holds_nothing() -> None:
+    """The proxy's release (client gone) may reach the producer before its leg opens K."""
+    registry = SupplyRegistry(10.0, clock=Clock())
+    keys = make_keys(2)
+    assert registry.release(K, "client gone") is False
+    registry.open(K)
+    assert not registry.is_open(K)
+    pages = [CountedPage(), CountedPage()]
+    assert not any(registry.supply(K, key, page) for key, page in zip(keys, pages, strict=True))
+    assert [p.releases for p in pages] == [1, 1]
+    assert registry.stats().requests == 0
+    other = KvRequestId("other")
+    registry.open(other)  # other ids are untouched
+    assert registry.is_open(other)
