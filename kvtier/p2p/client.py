@@ -12,8 +12,10 @@ Use inside the worker's asyncio loop::
 ``keys`` is the request's chunk keys in order. Leading keys the sink already holds are not
 fetched, nor any later key it holds; the rest is demanded in one ``fetch`` frame. Each block is
 received straight into the page the sink reserved (``loop.sock_recv_into``), its key and xxh3
-checksum verified, and only then committed (I6). A key that fails, is refused by the sink, or
-misses ``deadline`` ends the usable prefix there; fetch never raises for transport failures, it
+checksum verified, and only then committed (I6). A key the sink holds by the time its block
+comes (another fetch installed it meanwhile) has its payload skipped and counts as usable. A key
+that fails, is refused by the sink (no page can be freed), or misses ``deadline`` ends the
+usable prefix there; fetch never raises for transport failures, it
 returns what is usable and why the rest is not, within ``deadline`` (a ``time.monotonic()``
 value; default ``now + settings.fetch_timeout_s``). After the fetch the client sends ``done`` so
 the producer releases the supply (``finish=False`` keeps it for a later fetch).
@@ -25,11 +27,12 @@ producer when fetches run concurrently, at most ``max_sessions_per_peer`` kept i
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from kvtier.errors import HandshakeRefused, P2PError, ProtocolError
 from kvtier.keys import OffloadKey
@@ -68,6 +71,17 @@ class PageReservation(Protocol):
         ...
 
 
+class AlreadyHeld(enum.Enum):
+    """:meth:`BlockSink.reserve`'s answer for a key that turned up locally after the fetch
+    demanded it (another fetch installed it meanwhile, or a local store did): the client skips
+    the incoming payload and counts the key as usable."""
+
+    ALREADY_HELD = "already held"
+
+
+ALREADY_HELD: Final = AlreadyHeld.ALREADY_HELD
+
+
 class BlockSink(Protocol):
     """Where a consumer installs fetched pages (its primary host tier)."""
 
@@ -75,8 +89,9 @@ class BlockSink(Protocol):
         """True when ``key`` is already present locally (readable or write in flight)."""
         ...
 
-    def reserve(self, key: OffloadKey, nbytes: int) -> PageReservation | None:
-        """A page for ``key``, or None when no page can be freed (the prefix ends there)."""
+    def reserve(self, key: OffloadKey, nbytes: int) -> PageReservation | AlreadyHeld | None:
+        """A page for ``key``; :data:`ALREADY_HELD` when ``key`` is present locally by now; or
+        None when no page can be freed (the prefix ends there)."""
         ...
 
 
@@ -93,6 +108,9 @@ class FetchResult:
     nbytes: int
     elapsed_s: float
     reason: str | None = None
+    found_meanwhile: tuple[OffloadKey, ...] = ()
+    """Demanded keys that were present locally by the time their block came (installed by
+    another fetch or a local store): their payload was skipped, and they count as usable."""
 
     @property
     def complete(self) -> bool:
@@ -102,6 +120,7 @@ class FetchResult:
 @dataclass(slots=True)
 class _Progress:
     fetched: list[OffloadKey] = field(default_factory=list)
+    found_meanwhile: list[OffloadKey] = field(default_factory=list)
     nbytes: int = 0
     reason: str | None = None
     session_clean: bool = True
@@ -151,7 +170,7 @@ class P2PClient:
                 finish=finish,
                 progress=progress,
             )
-        got = set(progress.fetched)
+        got = {*progress.fetched, *progress.found_meanwhile}
         usable = 0
         for key, was_held in zip(wanted, held, strict=True):
             if not (was_held or key in got):
@@ -166,6 +185,7 @@ class P2PClient:
             progress.nbytes,
             time.monotonic() - started,
             progress.reason if usable < len(wanted) else None,
+            tuple(progress.found_meanwhile),
         )
 
     async def release(
@@ -308,6 +328,11 @@ class P2PClient:
                 i += 1
                 continue
             reservation = self.sink.reserve(key, frame.nbytes)
+            if reservation is ALREADY_HELD:
+                await channel.discard_payload(frame.nbytes)  # its bytes are already local
+                progress.found_meanwhile.append(key)
+                i += 1
+                continue
             if reservation is None:
                 progress.reason = "no free host page for a fetched block"
                 progress.session_clean = False  # stop reading: closing is cheaper than draining

@@ -5,16 +5,23 @@
 - :class:`PoolSink`: a consumer's pool as a :class:`~kvtier.p2p.client.BlockSink`: a fetched
   block is written into a page allocated for its key (``allocate`` → ``write_view`` →
   ``complete_write``), so the tiering manager sees it as a normal write (listeners, events).
+  A key present by the time its block comes (installed meanwhile by a concurrent fetch or a
+  local store, readable or still being written by that writer) is answered
+  :data:`~kvtier.p2p.client.ALREADY_HELD`: the client skips the payload and the key stays
+  usable. Its readability is then up to that writer; a write that fails leaves the key absent,
+  as any later eviction would, and a caller reads the pool before it relies on a key. Only a
+  pool with no page to free refuses a block.
 """
 
 from __future__ import annotations
 
 import logging
 
-from kvtier.errors import OffloadError
+from kvtier.errors import OffloadError, PoolExhausted
 from kvtier.keys import OffloadKey
 from kvtier.offload.pool import HostPagePool, PageRef
 from kvtier.offload.types import LookupResult, RequestId
+from kvtier.p2p.client import ALREADY_HELD, AlreadyHeld
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +74,7 @@ class PoolSink:
     def holds(self, key: OffloadKey) -> bool:
         return self.pool.lookup(key) is not LookupResult.MISS
 
-    def reserve(self, key: OffloadKey, nbytes: int) -> _PoolReservation | None:
+    def reserve(self, key: OffloadKey, nbytes: int) -> _PoolReservation | AlreadyHeld | None:
         if nbytes > self.pool.page_nbytes:
             logger.warning(
                 "p2p block of %d bytes does not fit a %d-byte host page",
@@ -75,9 +82,13 @@ class PoolSink:
                 self.pool.page_nbytes,
             )
             return None
+        if self.holds(key):
+            return ALREADY_HELD
         try:
             self.pool.allocate(key, owner=self.owner)
-        except OffloadError as exc:  # PoolExhausted, or the key arrived meanwhile
+        except PoolExhausted as exc:
             logger.info("p2p cannot install %s: %s", key.hex(), exc)
             return None
+        except OffloadError:  # written meanwhile from another thread (a local store)
+            return ALREADY_HELD
         return _PoolReservation(self.pool, key, nbytes)

@@ -3,6 +3,10 @@
     python -m kvtier.worker --role both --model tiny --port 8100 --p2p-port 5600 \\
         --events-endpoint tcp://127.0.0.1:5557
 
+SIGTERM/SIGINT stop it gracefully (exit status 0): no new requests, those in flight get
+``--shutdown-timeout-s`` (default 5) to finish before they are aborted, then the P2P server,
+supplies and event publisher are closed.
+
 Settings come from (highest first) flags, ``--config FILE.yaml``, ``KVTIER_WORKER_*`` env vars.
 """
 
@@ -14,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import uvicorn
 
 from kvtier.worker.server.app import create_app
+from kvtier.worker.server.graceful import serve_worker
 from kvtier.worker.settings import WorkerSettings
 
 _FLAGS: dict[str, dict[str, Any]] = {
@@ -44,6 +48,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "fetch-timeout-s": {"type": float},
     "supply-lease-s": {"type": float},
     "torch-threads": {"type": int},
+    "shutdown-timeout-s": {"type": float},
 }
 
 
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         f"http://{settings.host}:{settings.port}",
         flush=True,
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower())
+    serve_worker(app, settings, log_level)
 
 
 if __name__ == "__main__":

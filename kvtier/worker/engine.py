@@ -34,6 +34,8 @@ from kvtier.worker.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
+_DRAIN_POLL_S = 0.02
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -73,6 +75,7 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._hooks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._admitting = True
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-engine")
         self.steps = 0
         self.max_batch_seen = 0
@@ -96,6 +99,25 @@ class Engine:
         self._running.clear()
         self._executor.shutdown(wait=True)
 
+    def stop_admitting(self) -> None:
+        """Refuse new requests (:class:`EngineClosed`) from now on; those in flight run on."""
+        self._admitting = False
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting, give the requests in flight up to ``timeout_s`` to finish, then
+        abort the rest (their streams end with ``FinishReason.ABORT``)."""
+        self.stop_admitting()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._waiting or self._running:
+            if loop.time() >= deadline:
+                left = [*self._waiting, *self._running]
+                logger.warning("shutdown: aborting %d requests still in flight", len(left))
+                for req in left:
+                    self.abort(req)
+                return
+            await asyncio.sleep(_DRAIN_POLL_S)
+
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -115,7 +137,7 @@ class Engine:
         on_prompt_kv: PromptKVHook | None = None,
     ) -> EngineRequest:
         """A request checked against the context length (raises :class:`ContextTooLong`)."""
-        if self._closing:
+        if self._closing or not self._admitting:
             raise EngineClosed("engine is shutting down")
         total = len(prompt_ids) + params.max_tokens
         if not prompt_ids:

@@ -65,6 +65,8 @@ class WorkerSettings(BaseSettings):
     fetch_timeout_s: float = 10.0
     supply_lease_s: float = 60.0
     torch_threads: int = Field(default=0, description="0: leave torch's default")
+    shutdown_timeout_s: float = Field(default=5.0, ge=0)
+    """On SIGTERM/SIGINT, requests in flight get this long to finish before they are aborted."""
 
     @property
     def model_name(self) -> str:

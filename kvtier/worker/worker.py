@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -43,6 +45,7 @@ class Worker:
         self.connector: KVConnector | None = (
             connector_factory(self) if connector_factory is not None else None
         )
+        self._drain: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.engine.start()
@@ -54,7 +57,25 @@ class Worker:
             await self.close()
             raise
 
+    def begin_shutdown(self) -> None:
+        """Stop admitting requests; those in flight get ``settings.shutdown_timeout_s`` to finish
+        before they are aborted. :meth:`close` then stops everything. Idempotent."""
+        if self._drain is None:
+            self.engine.stop_admitting()
+            logger.info(
+                "shutting down: no new requests; %d running, %d waiting",
+                self.engine.num_running,
+                self.engine.num_waiting,
+            )
+            self._drain = asyncio.create_task(
+                self.engine.drain(self.settings.shutdown_timeout_s), name="kvtier-worker-drain"
+            )
+
     async def close(self) -> None:
+        if self._drain is not None:
+            self._drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain
         try:
             await self.engine.close()
         finally:
