@@ -4,11 +4,11 @@ Layout (every key of a model under one hash tag, so a model lives in one Redis C
 ``{ns:model}:slots`` (hash node → slot 0..25), ``{ns:model}:retired`` (set of slots awaiting a
 sweep), ``{ns:model}:nodes`` (set of known nodes), and per router block hash ``h`` (16 raw
 bytes): ``{ns:model}:r:h`` = ``G + C·2^26`` where ``G`` / ``C`` are bitmasks of the slots
-holding the block on GPU / CPU, ``{ns:model}:q:h`` = bitmask of slots with a prediction and
-``{ns:model}:x:h`` = hash slot → that prediction's expiry (ms on the Redis clock); both
-prediction keys expire with their longest-lived prediction (``{ns:model}:qlive`` with the
-longest-lived of all: without it, ``match`` skips prediction keys). Each live node owns one bit, so
-at most 26 nodes per model are tracked at once.
+holding the block on GPU / CPU, and ``{ns:model}:p:h`` = the block's predictions, one 16-byte
+entry per slot (slot, then its expiry in ms on the Redis clock), expiring with its
+longest-lived prediction (``{ns:model}:plive`` with the longest-lived of all: without it,
+``match`` skips prediction keys). Each live node owns one bit, so at most 26 nodes per model
+are tracked at once.
 
 Forgetting a node (or an ``AllBlocksCleared`` from it) retires its slot: ``match`` ignores
 retired bits at once, and :meth:`RedisIndex.sweep` (run in the background when slots run
@@ -16,10 +16,12 @@ short) clears them from every key before the slot is handed out again. This play
 of node epochs: a restarted node's stale entries vanish in O(1).
 
 Lua scripts (``*.lua`` beside this module), registered once per client (EVALSHA; reloaded if
-Redis lost them): ``match`` walks the chain in one round trip, reading blocks with MGET in
-chunks and keeping a running AND of the masks per tier, and stops at the first block that no
-node still matching holds; ``apply`` writes one batch of translated operations; ``predict``
-writes predictions with a TTL; ``forget`` retires a slot; ``sweep`` scrubs retired bits.
+Redis lost them): ``match`` walks the chain in one round trip, reading only: residency values
+with MGET in chunks, prediction entries only for blocks a node still matching lacks, skipping
+blocks whose values equal the previous block's, keeping a running AND of the masks per tier and
+stopping at the first block that no node still matching holds or predicted; ``apply`` writes
+one batch of translated operations; ``predict`` writes predictions with a TTL (dropping expired
+entries it meets); ``forget`` retires a slot; ``sweep`` scrubs retired bits and entries.
 Block keys are built inside the scripts from a prefix sharing the declared keys' hash tag;
 hashes travel as one concatenated argument.
 
@@ -276,7 +278,7 @@ class RedisIndex:
         if not slots:
             return 0
         mask = sum(1 << s for s in slots)
-        pattern = _glob_escape(self._prefix) + b"[rqx]:*"
+        pattern = _glob_escape(self._prefix) + b"[rp]:*"
         batch: list[bytes] = []
 
         async def scrub(keys: list[bytes]) -> None:
