@@ -15,15 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import shutil
-import socket
 import statistics
-import subprocess
-import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 
@@ -32,41 +27,7 @@ from kvtier.keys import BlockHasher
 from kvtier.residency.memory import MemoryIndex
 from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings
 from kvtier.residency.types import NodeId, ResidencyIndex
-
-
-@contextmanager
-def own_redis() -> Iterator[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed (scripts/dev installs it)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as workdir:
-        proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no", "--dir", workdir, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise SystemExit("redis-server did not start") from None
-                    time.sleep(0.02)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+from loadtest.redis_server import own_redis_server
 
 
 def stored(tokens: list[int], start: int, end: int, bs: int, medium: str) -> BlockStored:
@@ -231,7 +192,7 @@ def main() -> None:
     if args.redis_url:
         asyncio.run(bench(args, args.redis_url))
     else:
-        with own_redis() as url:
+        with own_redis_server() as url:
             asyncio.run(bench(args, url))
 
 

@@ -25,10 +25,6 @@ import asyncio
 import contextlib
 import os
 import random
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -40,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.events import BlockStored, EventBatch
 from kvtier.keys import BlockHasher
 from kvtier.residency.types import NodeId
+from loadtest.redis_server import own_redis_server
 from pdproxy.routing.base import RequestOutcome, Role, RouteRequest
 from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.router import KvRouter
@@ -67,33 +64,6 @@ def _row(name: str, samples_ms: list[float], base_ms: float | None = None) -> st
     p50, p99 = _pct(samples_ms, 0.5), _pct(samples_ms, 0.99)
     ratio = f"  ({p50 / base_ms:5.1f}x baseline p50)" if base_ms else ""
     return f"  {name:<38} p50 {p50 * 1000:8.1f} µs   p99 {p99 * 1000:8.1f} µs{ratio}"
-
-
-@contextlib.contextmanager
-def _redis_server() -> Iterator[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server not found; pass --redis-url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as workdir:
-        proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no", "--dir", workdir],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
-                    break
-                time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(10)
 
 
 async def _measure(
@@ -152,7 +122,7 @@ async def _decision_time(decisions: int, redis_url: str | None) -> None:
     print(_row("memory: route (+charge, +predict)", route, base))
 
     with contextlib.ExitStack() as stack:
-        url = redis_url or stack.enter_context(_redis_server())
+        url = redis_url or stack.enter_context(own_redis_server())
         settings = KvRouterSettings(model_seed=SEED, block_size=BLOCK, index_url=url)
         router = build_kv_router(settings, metrics_registry=CollectorRegistry())
         await router.start()
