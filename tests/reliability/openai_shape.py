@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import httpx
 import orjson
 
 ALLOWED_ERROR_STATUSES = frozenset({400, 401, 403, 404, 405, 413, 415, 422, 429, 503})
@@ -84,3 +86,28 @@ def check_answer(status: int, raw: bytes, content_type: str, *, chat: bool) -> s
         return "stream"
     check_completion(raw, chat=chat)
     return "ok"
+
+
+ANSWER_TIMEOUT_S = 15.0
+"""A fuzzed request must be answered within this; a hang is a failure."""
+
+
+async def post_and_classify(
+    client: httpx.AsyncClient,
+    path: str,
+    content: bytes,
+    headers: dict[str, str],
+    kinds: dict[str, int],
+) -> None:
+    """POST one fuzzed body, check the answer's shape, and count its kind in ``kinds``."""
+    async with asyncio.timeout(ANSWER_TIMEOUT_S):
+        resp = await client.post(
+            path, content=content, headers={"content-type": "application/json", **headers}
+        )
+    kind = check_answer(
+        resp.status_code,
+        resp.content,
+        resp.headers.get("content-type", ""),
+        chat=path.endswith("chat/completions"),
+    )
+    kinds[kind] = kinds.get(kind, 0) + 1

@@ -22,10 +22,8 @@ from pdproxy.app import create_app
 from pdproxy.settings import ProxySettings
 
 from .http_strategies import CHAT_BODY, COMPLETION_BODY, HEADERS, RAW_BODY, encode_body
-from .openai_shape import check_answer
+from .openai_shape import ANSWER_TIMEOUT_S, check_answer, post_and_classify
 from .record import Tally, long_mode
-
-_ANSWER_TIMEOUT_S = 15.0
 
 
 class _Front:
@@ -35,17 +33,7 @@ class _Front:
         self.kinds: dict[str, int] = {}
 
     async def send(self, path: str, content: bytes, headers: dict[str, str]) -> None:
-        async with asyncio.timeout(_ANSWER_TIMEOUT_S):
-            resp = await self.client.post(
-                path, content=content, headers={"content-type": "application/json", **headers}
-            )
-        kind = check_answer(
-            resp.status_code,
-            resp.content,
-            resp.headers.get("content-type", ""),
-            chat=path.endswith("chat/completions"),
-        )
-        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        await post_and_classify(self.client, path, content, headers, self.kinds)
 
     def client_params_reached_an_engine(self) -> list[Any]:
         """Consumer legs whose kv_transfer_params the proxy did not write itself."""
@@ -151,7 +139,7 @@ async def test_fuzz_proxy_oversize_body(size: int, tally: Tally) -> None:
     front = await anext(gen)
     try:
         body = encode_body({"prompt": "x" * size, "max_tokens": 1})
-        async with asyncio.timeout(_ANSWER_TIMEOUT_S):
+        async with asyncio.timeout(ANSWER_TIMEOUT_S):
             resp = await front.client.post(
                 "/v1/completions", content=body, headers={"content-type": "application/json"}
             )

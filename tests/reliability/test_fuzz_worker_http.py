@@ -22,10 +22,8 @@ from kvtier.worker.server.app import create_app
 from kvtier.worker.settings import WorkerSettings
 
 from .http_strategies import CHAT_BODY, COMPLETION_BODY, HEADERS, JSON_VALUE, RAW_BODY, encode_body
-from .openai_shape import check_answer
+from .openai_shape import ANSWER_TIMEOUT_S, check_answer, post_and_classify
 from .record import Tally, long_mode
-
-_ANSWER_TIMEOUT_S = 15.0
 
 # -- the worker under test -------------------------------------------------------------------------
 
@@ -53,17 +51,7 @@ class _Fuzzed:
         self.kinds: dict[str, int] = {}
 
     async def send(self, path: str, content: bytes, headers: dict[str, str]) -> None:
-        async with asyncio.timeout(_ANSWER_TIMEOUT_S):
-            resp = await self.client.post(
-                path, content=content, headers={"content-type": "application/json", **headers}
-            )
-        kind = check_answer(
-            resp.status_code,
-            resp.content,
-            resp.headers.get("content-type", ""),
-            chat=path.endswith("chat/completions"),
-        )
-        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        await post_and_classify(self.client, path, content, headers, self.kinds)
 
     async def assert_idle(self) -> None:
         worker = self.app.state.worker
@@ -194,7 +182,7 @@ async def test_fuzz_worker_oversize_and_odd_requests(path: str, tally: Tally) ->
             {"messages": [{"role": "user", "content": "a"}] * 20000, "max_tokens": 2}
         )
         for content in (huge_prompt, huge_ids, deep, b"x" * 2_000_000):
-            async with asyncio.timeout(_ANSWER_TIMEOUT_S):
+            async with asyncio.timeout(ANSWER_TIMEOUT_S):
                 resp = await fuzzed.client.post(
                     path, content=content, headers={"content-type": "application/json"}
                 )
