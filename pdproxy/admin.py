@@ -19,7 +19,7 @@ from pdproxy.backends import Backend, BackendRegistry
 from pdproxy.errors import ConfigError
 from pdproxy.headers import bearer_token
 from pdproxy.http_errors import error_response
-from pdproxy.settings import BackendConfig
+from pdproxy.settings import BackendConfig, validation_error_text
 
 
 def backend_state(backend: Backend) -> dict[str, Any]:
@@ -80,7 +80,7 @@ class AdminApi:
             backend = self._registry.add(config)
         except ValidationError as exc:
             return error_response(
-                400, f"invalid backend: {exc.errors(include_url=False)}",
+                400, f"invalid backend: {validation_error_text(exc)}",
                 error_type="invalid_request_error", code="invalid_backend",
             )  # fmt: skip
         except ConfigError as exc:

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from pdproxy.app import ProxyState, create_app, proxy_state
 from pdproxy.errors import ConfigError
-from pdproxy.settings import ProxySettings
+from pdproxy.settings import ProxySettings, validation_error_text
 from pdproxy.stack import add_up_command
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         if args.router not in (None, "kv"):
             raise ConfigError(f"--index needs the KV router, not --router {args.router}")
         if not args.index.startswith(_INDEX_SCHEMES):
-            raise ConfigError(f"--index {args.index!r} must start with one of {_INDEX_SCHEMES}")
+            # The URL may hold a password: name the rule, not the value.
+            raise ConfigError(f"--index must start with one of {_INDEX_SCHEMES}")
         overrides["router"] = "kv"
         overrides["router_options"] = {"index_url": args.index}  # merged into the file's
     return ProxySettings(**overrides)
@@ -116,8 +117,11 @@ def run_server(settings: ProxySettings) -> None:
 def _serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
-    except (ConfigError, ValidationError) as exc:
+    except ConfigError as exc:
         print(f"pdproxy: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        print(f"pdproxy: invalid configuration: {validation_error_text(exc)}", file=sys.stderr)
         return 2
     try:
         run_server(settings)

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -67,7 +75,8 @@ class BackendConfig(BaseModel):
     @classmethod
     def _check_url(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
-            raise ValueError(f"backend url {value!r} must start with http:// or https://")
+            # No echo: a URL may carry credentials (user:password@host).
+            raise ValueError("backend url must start with http:// or https://")
         return value.rstrip("/")
 
 
@@ -153,14 +162,35 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
     try:
         data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
+    except ValueError as exc:  # json's message holds positions only
         raise ConfigError(f"config file {path} does not parse: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} does not parse: {_yaml_problem(exc)}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at top level")
     data.pop("config_file", None)
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's own text quotes the offending line, which may hold a key: position only."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or "invalid YAML"
+    if mark is None:
+        return str(problem)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+
+
+def validation_error_text(exc: ValidationError) -> str:
+    """A settings error without the offending values: pydantic's own text quotes every input,
+    and a value in the wrong place or of the wrong type may be a key."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"{where}: {error['msg']}")
+    return "; ".join(lines)
 
 
 class ProxySettings(BaseSettings):

@@ -8,20 +8,23 @@ SIGTERM/SIGINT stop it gracefully (exit status 0): no new requests, those in fli
 supplies and event publisher are closed.
 
 Settings come from (highest first) flags, ``--config FILE.yaml``, ``KVTIER_WORKER_*`` env vars.
+A settings error names the field and the rule, never the value (it may be a secret).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from kvtier.worker.server.app import create_app
 from kvtier.worker.server.graceful import serve_worker
-from kvtier.worker.settings import WorkerSettings
+from kvtier.worker.settings import WorkerSettings, settings_error_text
 
 _FLAGS: dict[str, dict[str, Any]] = {
     "role": {"choices": ["producer", "consumer", "both"]},
@@ -49,6 +52,15 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "supply-lease-s": {"type": float},
     "torch-threads": {"type": int},
     "shutdown-timeout-s": {"type": float},
+    "api-key": {"help": "bearer key for the API (prefer KVTIER_WORKER_API_KEY: argv is public)"},
+    "max-body-bytes": {"type": int},
+    "p2p-allowed-peer": {
+        "action": "append",
+        "dest": "p2p_allowed_peers",
+        "help": "producer a consumer leg may name: host, host:port, CIDR or * (repeatable)",
+    },
+    "events-curve-secret-key-file": {"type": Path},
+    "events-curve-clients-dir": {"type": Path},
 }
 
 
@@ -72,7 +84,12 @@ def parse_settings(argv: list[str] | None = None) -> tuple[WorkerSettings, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings, log_level = parse_settings(argv)
+    try:
+        settings, log_level = parse_settings(argv)
+    except ValidationError as exc:
+        sys.exit(f"kvtier-worker: invalid settings: {settings_error_text(exc)}")
+    except (OSError, ValueError) as exc:  # the config file: unreadable, not YAML, not a mapping
+        sys.exit(f"kvtier-worker: invalid settings: {exc}")
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

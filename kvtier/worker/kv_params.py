@@ -13,7 +13,9 @@ NIXL-shaped dialect (vLLM NixlConnector, see ``shared/wire``):
   P2P from ``remote_host:remote_port`` under ``remote_request_id``.
 
 Anything else that is present but malformed raises :class:`KVTransferParamsError`; the server
-then runs the leg locally and counts it.
+then runs the leg locally and counts it. An id or host longer than :data:`MAX_ID_CHARS` raises
+:class:`KVTransferRefused` instead (400): ids are kept (supplies, released-id memory, logs), so
+their size is bounded before anything keeps them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtier.worker.errors import KVTransferParamsError
+from kvtier.worker.errors import KVTransferParamsError, KVTransferRefused
+
+MAX_ID_CHARS = 256
+"""Longest ``kv_request_id``, request id or host a caller may send (the proxy's ids are 32 hex
+characters, vLLM's about 50, a DNS name at most 253)."""
+
+_SHOWN_CHARS = 64
 
 
 class Dialect(enum.Enum):
@@ -52,17 +60,38 @@ class ConsumerLeg:
 Leg = ProducerLeg | ConsumerLeg
 
 
+def shown(value: object) -> str:
+    """A caller's value as errors and logs quote it: short scalars as they are, long strings cut,
+    containers by type only (any of them may be megabytes)."""
+    if isinstance(value, str):
+        if len(value) > _SHOWN_CHARS:
+            return f"{value[:_SHOWN_CHARS]!r}... ({len(value)} characters)"
+        return repr(value)
+    if (
+        value is None
+        or isinstance(value, bool | float)
+        or (isinstance(value, int) and value.bit_length() <= 64)
+    ):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
 def _port(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
-        raise KVTransferParamsError(f"{what} must be a TCP port, got {value!r}")
+        raise KVTransferParamsError(f"{what} must be a TCP port, got {shown(value)}")
     return value
 
 
 def _text(value: object, what: str) -> str:
+    if isinstance(value, str) and len(value) > MAX_ID_CHARS:
+        raise KVTransferRefused(
+            f"kv_transfer_params: {what} is longer than {MAX_ID_CHARS} characters",
+            param="kv_transfer_params",
+        )
     if not isinstance(value, str) or not value.strip():
-        raise KVTransferParamsError(f"{what} must be a non-empty string, got {value!r}")
+        raise KVTransferParamsError(f"{what} must be a non-empty string, got {shown(value)}")
     if not value.isascii():
-        raise KVTransferParamsError(f"{what} must be ASCII, got {value!r}")
+        raise KVTransferParamsError(f"{what} must be ASCII, got {shown(value)}")
     return value
 
 
@@ -102,7 +131,9 @@ def parse_leg(params: Mapping[str, object] | None, nixl_request_id: str) -> Leg 
         )
     if "do_remote_decode" in params or "do_remote_prefill" in params:
         return None  # NIXL fields present, both false: a plain request
-    raise KVTransferParamsError(f"unrecognised kv_transfer_params keys: {sorted(params)}")
+    raise KVTransferParamsError(
+        f"unrecognised kv_transfer_params keys: {shown(', '.join(sorted(map(str, params))))}"
+    )
 
 
 def producer_answer(

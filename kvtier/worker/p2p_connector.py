@@ -24,8 +24,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from pydantic import SecretStr
-
 from kvtier.errors import KvtierError
 from kvtier.keys import BlockHash, OffloadKey, offload_key
 from kvtier.offload.pool import HostPagePool
@@ -392,7 +390,7 @@ def p2p_connector_factory(worker: Worker) -> KVConnector:
     p2p = P2PSettings(
         host=s.host,
         port=s.p2p_port,
-        secret=SecretStr(s.p2p_secret) if s.p2p_secret else None,
+        secret=s.p2p_secret if s.p2p_secret.get_secret_value() else None,
         fetch_timeout_s=s.fetch_timeout_s,
         lease_s=s.supply_lease_s,
     )

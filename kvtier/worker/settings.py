@@ -6,8 +6,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, Field
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvtier.worker.peers import PeerAllowlist
 
 Role = Literal["producer", "consumer", "both"]
 ModelName = Literal["tiny", "sim"]
@@ -27,14 +36,28 @@ class WorkerSettings(BaseSettings):
     """Host a consumer should connect to for P2P (defaults to ``host``)."""
     p2p_port: int = 0
     """P2P server port of a producer (0: any free port)."""
-    p2p_secret: str = Field(
-        default="",
+    p2p_secret: SecretStr = Field(
+        default=SecretStr(""),
         validation_alias=AliasChoices(
             "p2p_secret", "KVTIER_WORKER_P2P_SECRET", "KVTIER_P2P_SECRET"
         ),
     )
     """Shared P2P secret; also read from ``KVTIER_P2P_SECRET``, the name DESIGN §5 and the
     P2P server's warning give (empty: only loopback peers)."""
+    api_key: SecretStr | None = None
+    """Bearer key (``KVTIER_WORKER_API_KEY``): when set, every route but ``/health`` and
+    ``/metrics`` needs ``Authorization: Bearer <key>`` (see ``server/access.py``)."""
+    max_body_bytes: int = Field(default=16 * 1024 * 1024 + 64 * 1024, ge=1024)
+    """Largest request body (413 beyond): the proxy's default limit plus room for the
+    ``kv_transfer_params`` it adds."""
+    p2p_allowed_peers: list[str] = Field(default_factory=list)
+    """Producers a consumer leg may be sent to: hosts, ``host:port``, IP networks (CIDR) or
+    ``*`` (any: trusted fabrics only). Empty: loopback only. See ``kvtier/worker/peers.py``."""
+    events_curve_secret_key_file: Path | None = None
+    """ZMQ CURVE secret certificate of the event sockets (``python -m kvtier.events.curve``);
+    with it, only subscribers whose public key is in ``events_curve_clients_dir`` connect."""
+    events_curve_clients_dir: Path | None = None
+    """Directory of the public certificates of the subscribers allowed to connect."""
     events_endpoint: str | None = None
     """ZMQ PUB endpoint for KV events, e.g. ``tcp://*:5557`` (None: no events)."""
     events_replay_endpoint: str | None = None
@@ -68,6 +91,20 @@ class WorkerSettings(BaseSettings):
     shutdown_timeout_s: float = Field(default=5.0, ge=0)
     """On SIGTERM/SIGINT, requests in flight get this long to finish before they are aborted."""
 
+    @field_validator("p2p_allowed_peers")
+    @classmethod
+    def _peers_parse(cls, value: list[str]) -> list[str]:
+        PeerAllowlist.parse(value)  # a bad entry fails at start, not on the first consumer leg
+        return value
+
+    @model_validator(mode="after")
+    def _curve_files_together(self) -> WorkerSettings:
+        if (self.events_curve_secret_key_file is None) != (self.events_curve_clients_dir is None):
+            raise ValueError(
+                "events_curve_secret_key_file and events_curve_clients_dir go together"
+            )
+        return self
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or f"kvtier-{self.model}"
@@ -80,8 +117,24 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def from_file(cls, path: Path, **overrides: Any) -> WorkerSettings:
         """Settings from a YAML mapping, with explicit overrides (e.g. CLI flags) on top."""
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            # PyYAML's text quotes the offending line, which may hold a key: position only.
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ValueError(f"{path}: not valid YAML{where}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
         data.update(overrides)
         return cls(**data)
+
+
+def settings_error_text(exc: ValidationError) -> str:
+    """A settings error without the offending values: a value in the wrong field or of the
+    wrong type may be a secret (pydantic's own text quotes every input)."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"{where}: {error['msg']}")
+    return "; ".join(lines)

@@ -25,3 +25,10 @@ class EngineStats:
     """Legs whose kv_transfer_params were malformed or unreachable; they ran locally."""
     p2p_blocks_supplied: int = 0
     """Blocks a producer leg offered to the P2P tier."""
+    kv_params_refused: int = 0
+    """Legs refused with 400: an id over the length cap, or a producer outside
+    ``p2p_allowed_peers``."""
+    unauthorized_requests: int = 0
+    """Requests refused with 401: no or a wrong bearer key."""
+    oversized_bodies: int = 0
+    """Requests refused with 413: a body over ``max_body_bytes``."""

@@ -1,4 +1,10 @@
-"""``create_app(settings)``: the worker's FastAPI app (OpenAI endpoints, health, metrics)."""
+"""``create_app(settings)``: the worker's FastAPI app (OpenAI endpoints, health, metrics).
+
+Who may connect and what they can make it do: see :mod:`kvtier.worker.server.access` (the bearer
+key and body limit in front of every route) and :mod:`kvtier.worker.peers` (the producers a
+consumer leg may name). Ids a caller sends (``x-request-id``, ``kv_request_id``, hosts) are at
+most :data:`kvtier.worker.kv_params.MAX_ID_CHARS` long (400 beyond).
+"""
 
 from __future__ import annotations
 
@@ -16,11 +22,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.worker.connector import ProducerOutcome
-from kvtier.worker.errors import EngineClosed, InvalidRequest, KVTransferParamsError
-from kvtier.worker.kv_params import ConsumerLeg, Leg, ProducerLeg, parse_leg
+from kvtier.worker.errors import (
+    EngineClosed,
+    InvalidRequest,
+    KVTransferParamsError,
+    KVTransferRefused,
+)
+from kvtier.worker.kv_params import MAX_ID_CHARS, ConsumerLeg, Leg, ProducerLeg, parse_leg
 from kvtier.worker.p2p_connector import p2p_connector_factory
+from kvtier.worker.peers import PeerAllowlist
 from kvtier.worker.request import EngineRequest, FinishReason, PromptKVHook, StepOutput
 from kvtier.worker.sampling import SamplingParams
+from kvtier.worker.server.access import WorkerGate
 from kvtier.worker.server.metrics import worker_registry
 from kvtier.worker.server.openai_format import ResponseShape, error_response, sse, usage
 from kvtier.worker.server.protocol import (
@@ -59,6 +72,12 @@ def create_app(
             await the_worker.close()
 
     app = FastAPI(title="kvtier reference worker", lifespan=lifespan)
+    app.add_middleware(
+        WorkerGate,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        stats=the_worker.stats,
+    )
     app.state.worker = the_worker
     registry = worker_registry(the_worker)
     api = _Api(the_worker)
@@ -78,7 +97,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        kinds = {404: "NotFoundError", 405: "MethodNotAllowedError"}
+        kind = kinds.get(exc.status_code, "BadRequestError")
         return error_response(exc.status_code, str(exc.detail), err_type=kind)
 
     @app.post("/v1/completions", response_model=None)
@@ -127,6 +147,7 @@ class _Api:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.settings = worker.settings
+        self.peers = PeerAllowlist.parse(worker.settings.p2p_allowed_peers)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         prompt: object = body.prompt
@@ -174,6 +195,10 @@ class _Api:
                 param="model",
             )
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if len(request_id) > MAX_ID_CHARS:
+            return error_response(
+                400, f"x-request-id is longer than {MAX_ID_CHARS} characters", param="x-request-id"
+            )
         shape = ResponseShape(
             chat=chat,
             request_id=request_id,
@@ -233,6 +258,18 @@ class _Api:
             return None
         try:
             leg = parse_leg(params, nixl_request_id=f"{response_id}-0")
+            if isinstance(leg, ConsumerLeg) and not self.peers.allows(
+                leg.remote_host, leg.remote_port
+            ):
+                raise KVTransferRefused(
+                    f"kv_transfer_params: producer {leg.remote_host}:{leg.remote_port} is not "
+                    "in this worker's p2p_allowed_peers",
+                    param="kv_transfer_params",
+                )
+        except KVTransferRefused as exc:
+            self.worker.stats.kv_params_refused += 1
+            logger.warning("request %s: refused: %s", request_id, exc)
+            raise
         except KVTransferParamsError as exc:
             self.worker.stats.kv_params_fallbacks += 1
             logger.warning(

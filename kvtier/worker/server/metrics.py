@@ -27,6 +27,9 @@ _COUNTERS = {
     "p2p_fetch_failures": "Consumer legs whose P2P fetch fell short",
     "kv_params_fallbacks": "Legs with malformed or unreachable kv_transfer_params run locally",
     "p2p_blocks_supplied": "Blocks producer legs offered to the P2P tier",
+    "kv_params_refused": "Legs refused (400): id over the length cap or producer not allowed",
+    "unauthorized_requests": "Requests refused (401): missing or wrong API key",
+    "oversized_bodies": "Requests refused (413): body over max_body_bytes",
 }
 
 

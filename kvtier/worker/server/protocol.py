@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from kvtier.worker.kv_params import MAX_ID_CHARS
+
 
 def _encodable(value: str | None) -> str | None:
     """Text the worker hashes or echoes must be valid Unicode (no lone surrogates)."""
@@ -92,4 +94,4 @@ class ChatCompletionRequest(_Sampling):
 class ReleaseRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    kv_request_id: str = Field(min_length=1)
+    kv_request_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)

@@ -22,6 +22,7 @@ from pdproxy.errors import ConfigError
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
+from pdproxy.settings import validation_error_text
 from pdproxy.tokenize.build import build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def parse_settings(options: Mapping[str, Any]) -> KvRouterSettings:
     try:
         return KvRouterSettings.model_validate(dict(options))
     except ValidationError as exc:
-        raise ConfigError(f"invalid KV router options: {exc}") from exc
+        raise ConfigError(f"invalid KV router options: {validation_error_text(exc)}") from exc
 
 
 def build_kv_router(
