@@ -5,6 +5,7 @@ Hierarchy::
     KvtierError
     ├── InvalidTokensError        token ids that cannot be hashed (negative, too large, not ints)
     ├── EventDecodeError          a KV event payload that does not decode to an EventBatch
+    ├── EventSecurityError        KV event CURVE keys missing, unreadable or unsupported
     ├── ResidencyError            the residency index failed
     │   └── ResidencyUnavailable  the backing store (Redis) is down, slow or refused the call
     ├── OffloadError              the tiering manager was used against its contract
@@ -32,6 +33,11 @@ class InvalidTokensError(KvtierError, ValueError):
 
 class EventDecodeError(KvtierError, ValueError):
     """A KV event payload that is not a valid EventBatch."""
+
+
+class EventSecurityError(KvtierError):
+    """KV event CURVE keys that are missing, unreadable or not supported by this libzmq (the
+    message names the file, never a key)."""
 
 
 class ResidencyError(KvtierError):

@@ -6,6 +6,11 @@ A ROUTER socket answers replay requests ``(identity, b"", start_seq)`` with ever
 batch whose sequence is ``>= start_seq`` as ``(identity, b"", seq, payload)`` and then the end
 marker ``(identity, b"", -1 as 8 signed bytes, b"")``, so vLLM's subscribers can use it and
 :class:`kvtier.events.subscriber.EventSubscriber` can replay from a vLLM engine.
+
+Who may connect: anyone who reaches the endpoints, unless ``curve`` is given (then only the
+subscribers whose public keys it lists; see :mod:`kvtier.events.curve`). What they get: every
+batch, including the prompt token ids of ``BlockStored`` — bind to a private network or use
+CURVE. A replay request can ask for at most the whole buffer; malformed ones are skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from kvtier.events.codec import EventEncoding, encode_batch
+from kvtier.events.curve import ClientGate, CurveServer, make_server
 from kvtier.events.types import EventBatch
 
 logger = logging.getLogger(__name__)
@@ -74,8 +80,14 @@ class EventPublisher:
         encoding: EventEncoding = EventEncoding.ARRAY,
         data_parallel_rank: int | None = None,
         context: zmq.asyncio.Context | None = None,
+        curve: CurveServer | None = None,
     ) -> None:
+        """With ``curve``, both sockets are CURVE servers and a ZAP handler on the context
+        (the publisher's own unless ``context`` is given: it must then have no other) admits
+        only ``curve.allowed_clients``."""
         self._bind = endpoint
+        self._curve = curve
+        self._gate: ClientGate | None = None
         self._replay_bind = replay_endpoint
         self._topic = topic.encode("utf-8")
         self._buffer = ReplayBuffer(buffer_steps)
@@ -98,14 +110,24 @@ class EventPublisher:
         """The sequence number the next published batch gets."""
         return self._next_seq
 
+    @property
+    def refused_clients(self) -> int:
+        """CURVE handshakes refused because the client's key is not admitted."""
+        return self._gate.refused if self._gate is not None else 0
+
     async def start(self) -> None:
         """Bind the sockets and start serving replays."""
         if self._pub is not None or self._closed:
             raise RuntimeError("publisher already started or closed")
         ctx = self._ctx = self._given_ctx or zmq.asyncio.Context()
         try:
+            if self._curve is not None:
+                self._gate = ClientGate(ctx, self._curve)
+                self._gate.start()
             pub = ctx.socket(zmq.PUB)
             self._pub = pub
+            if self._curve is not None:
+                make_server(pub, self._curve)
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, self._hwm)
             pub.bind(self._bind)
@@ -113,6 +135,8 @@ class EventPublisher:
             if self._replay_bind is not None:
                 replay = ctx.socket(zmq.ROUTER)
                 self._replay = replay
+                if self._curve is not None:
+                    make_server(replay, self._curve)
                 replay.setsockopt(zmq.LINGER, 0)
                 # A replay answer is at most the whole buffer: never drop part of one.
                 replay.setsockopt(zmq.SNDHWM, self._buffer.capacity + 2)
@@ -124,7 +148,12 @@ class EventPublisher:
         except BaseException:
             await self.close()
             raise
-        logger.info("publishing KV events on %s (replay %s)", self.endpoint, self.replay_endpoint)
+        logger.info(
+            "publishing KV events on %s (replay %s, %s)",
+            self.endpoint,
+            self.replay_endpoint,
+            "CURVE" if self._curve is not None else "no CURVE: the network must be private",
+        )
 
     async def publish(self, batch: EventBatch) -> int:
         """Send one batch; returns its sequence number. PUB never blocks: a slow subscriber
@@ -169,6 +198,9 @@ class EventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._replay = None
+        if self._gate is not None:
+            await self._gate.stop()
+            self._gate = None
         if self._ctx is not None and self._given_ctx is None:
             self._ctx.term()
         self._ctx = None

@@ -32,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvtier.errors import EventDecodeError
 from kvtier.events.codec import decode_batch
+from kvtier.events.curve import CurveClient, make_client
 from kvtier.events.publisher import END_OF_REPLAY, SEQ_BYTES, seq_frame
 from kvtier.events.types import EventBatch
 
@@ -79,8 +80,11 @@ class EventSubscriber:
         start_seq: int = 0,
         name: str = "",
         context: zmq.asyncio.Context | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
+        """``curve``: the keys for a CURVE publisher (both sockets, live and replay)."""
         self.endpoint = endpoint
+        self._curve = curve
         self.replay_endpoint = replay_endpoint
         self._on_batch = on_batch
         self._on_reset = on_reset
@@ -116,6 +120,8 @@ class EventSubscriber:
         ctx = self._ctx = self._given_ctx or zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
         self._sub = sub
+        if self._curve is not None:
+            make_client(sub, self._curve)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
@@ -256,6 +262,8 @@ class EventSubscriber:
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         try:
+            if self._curve is not None:
+                make_client(sock, self._curve)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.connect(self.replay_endpoint)

@@ -22,11 +22,16 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-import yaml
-
 from pdproxy.stack.display import StatusBoard, ready_banner
 from pdproxy.stack.errors import StackError
-from pdproxy.stack.plan import StackDialect, StackOptions, StackPlan, WorkerModel, build_plan
+from pdproxy.stack.plan import (
+    StackDialect,
+    StackOptions,
+    StackPlan,
+    WorkerModel,
+    build_plan,
+    write_proxy_config,
+)
 from pdproxy.stack.proxy_view import ProxyBackendsView
 from pdproxy.stack.supervisor import ProcessStatus, Supervisor
 
@@ -216,14 +221,14 @@ def run_up(args: argparse.Namespace) -> int:
     if not _port_is_free(options.host, options.port):
         print(f"error: port {options.port} on {options.host} is in use; pass --port", flush=True)
         return 2
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdproxy-up-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdproxy-up-"))  # mode 0700
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         plan = build_plan(options, run_dir)
     except ValueError as exc:
         print(f"error: {exc}", flush=True)
         return 2
-    plan.config_path.write_text(yaml.safe_dump(plan.proxy_config, sort_keys=False))
+    write_proxy_config(plan)
     stop = threading.Event()
     with stop_on_signals(stop):
         return serve_stack(

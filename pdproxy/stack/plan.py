@@ -4,6 +4,11 @@ Pure: builds :class:`ProcessSpec` values and the proxy config mapping from the o
 port source; starting them is the supervisor's job. Workers publish KV events on their own
 ZMQ endpoint; the proxy's KV-aware router subscribes to every one of them and keeps residency
 in memory (or in Redis with ``redis_url``).
+
+Secrets are fresh per run: the P2P secret, the proxy's admin key, and the workers' API key,
+which every worker gets in its environment (``KVTIER_WORKER_API_KEY``, never on its command
+line, which other local users can read) and the proxy as each backend's ``api_key``. The config
+holding them is written 0600 (:func:`write_proxy_config`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from kvtier.private_file import write_private_text
 from pdproxy.stack.process import ProcessSpec
 
 PortSource = Callable[[], int]
@@ -66,6 +74,8 @@ class StackPlan:
     """Worker name → the ZMQ endpoint its KV events are published on."""
     admin_key: str = ""
     """The proxy's admin API key (a fresh random one per stack; the status board uses it)."""
+    worker_key: str = ""
+    """The workers' API key (fresh per stack); the proxy sends it to every backend."""
 
     @property
     def specs(self) -> tuple[ProcessSpec, ...]:
@@ -95,6 +105,7 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
     host = _url_host(options.host)
     secret = secrets.token_hex(16)
     admin_key = secrets.token_hex(16)
+    worker_key = secrets.token_hex(16)
     name = model_name(options.model)
     workers: list[ProcessSpec] = []
     backends: list[dict[str, Any]] = []
@@ -123,7 +134,7 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
                 name=worker,
                 argv=argv,
                 health_url=url + "/health",
-                env={"KVTIER_WORKER_P2P_SECRET": secret},
+                env={"KVTIER_WORKER_P2P_SECRET": secret, "KVTIER_WORKER_API_KEY": worker_key},
                 role=role,
             )
         )
@@ -133,6 +144,7 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
                 "url": url,
                 "role": role,
                 "dialect": options.dialect.value,
+                "api_key": worker_key,
                 "events_endpoint": events_endpoint,
                 "events_replay_endpoint": replay_endpoint,
             }
@@ -181,4 +193,10 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
         model_name=name,
         events=events,
         admin_key=admin_key,
+        worker_key=worker_key,
     )
+
+
+def write_proxy_config(plan: StackPlan) -> None:
+    """The proxy's config holds the admin and worker keys: owner-only (0600)."""
+    write_private_text(plan.config_path, yaml.safe_dump(plan.proxy_config, sort_keys=False))

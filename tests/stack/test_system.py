@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.conftest import free_port
 from tests.stack.conftest import pid_alive, wait_gone
@@ -180,6 +181,25 @@ def test_pd_outputs_equal_single_node(
             assert got == expected, (endpoint, stream, prompt, stack.log_tails())
             # Twice: the second time the prefix is cached (and the router knows where).
             assert _answer(client, stack.endpoint, endpoint, prompt, stream) == expected
+
+
+def test_workers_refuse_callers_without_the_runs_key(stack: Stack) -> None:
+    """A local user who bypasses the proxy and calls a worker directly gets 401; the config
+    that holds the key is readable by its owner only."""
+    config_path = stack.run_dir / "proxy.yaml"
+    assert config_path.stat().st_mode & 0o077 == 0
+    config = yaml.safe_load(config_path.read_text())
+    with httpx.Client(timeout=30) as client:
+        for backend in config["backends"]:
+            body = {"prompt": "x", "max_tokens": 1}
+            resp = client.post(backend["url"] + "/v1/completions", json=body)
+            assert resp.status_code == 401, resp.text
+            release = {"kv_request_id": "any"}
+            assert client.post(backend["url"] + "/v1/kv/release", json=release).status_code == 401
+            assert client.get(backend["url"] + "/health").status_code == 200
+            keyed = {"authorization": f"Bearer {backend['api_key']}"}
+            resp = client.post(backend["url"] + "/v1/completions", json=body, headers=keyed)
+            assert resp.status_code == 200, resp.text
 
 
 def test_bench_client_runs_shared_prefix_against_the_stack(stack: Stack, tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ import zmq.asyncio
 from kvtier.events import BlockRemoved, EventBatch, EventPublisher, EventSubscriber
 from kvtier.events.publisher import seq_frame
 
+from .conftest import Keys
+
 
 def batch(i: int) -> EventBatch:
     return EventBatch(ts=float(i), events=(BlockRemoved((i,), "GPU"),))
@@ -62,12 +64,14 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context.term()
 
 
-async def test_live_batches_arrive_in_order() -> None:
+async def test_live_batches_arrive_in_order(keys: Keys) -> None:
     sink = Sink()
-    async with EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv") as pub:
+    async with EventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv", **keys.pub
+    ) as pub:
         assert pub.replay_endpoint is not None
         async with EventSubscriber(
-            pub.endpoint, pub.replay_endpoint, topic="kv", on_batch=sink.on_batch
+            pub.endpoint, pub.replay_endpoint, topic="kv", on_batch=sink.on_batch, **keys.sub
         ) as sub:
             await until(lambda: pub.replays_served >= 1)  # start-up catch-up done
             n = await prime(pub, sub)
@@ -80,14 +84,18 @@ async def test_live_batches_arrive_in_order() -> None:
             assert sub.next_seq == n + 20
 
 
-async def test_late_subscriber_catches_up_from_replay() -> None:
+async def test_late_subscriber_catches_up_from_replay(keys: Keys) -> None:
     sink = Sink()
-    async with EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+    async with EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", **keys.pub) as pub:
         for i in range(30):
             await pub.publish(batch(i))
         assert pub.replay_endpoint is not None
         async with EventSubscriber(
-            pub.endpoint, pub.replay_endpoint, on_batch=sink.on_batch, on_reset=sink.on_reset
+            pub.endpoint,
+            pub.replay_endpoint,
+            on_batch=sink.on_batch,
+            on_reset=sink.on_reset,
+            **keys.sub,
         ) as sub:
             await until(lambda: len(sink.batches) == 30)
             n = await prime(pub, sub, first=30)
@@ -97,14 +105,20 @@ async def test_late_subscriber_catches_up_from_replay() -> None:
             assert sink.resets == 0
 
 
-async def test_late_start_past_the_buffer_resets_then_continues() -> None:
+async def test_late_start_past_the_buffer_resets_then_continues(keys: Keys) -> None:
     sink = Sink()
-    async with EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=5) as pub:
+    async with EventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=5, **keys.pub
+    ) as pub:
         for i in range(12):
             await pub.publish(batch(i))
         assert pub.replay_endpoint is not None
         async with EventSubscriber(
-            pub.endpoint, pub.replay_endpoint, on_batch=sink.on_batch, on_reset=sink.on_reset
+            pub.endpoint,
+            pub.replay_endpoint,
+            on_batch=sink.on_batch,
+            on_reset=sink.on_reset,
+            **keys.sub,
         ) as sub:
             await until(lambda: len(sink.batches) == 5)
             assert sink.ts() == [7, 8, 9, 10, 11]
@@ -290,23 +304,25 @@ async def test_close_is_idempotent_and_publish_after_close_fails() -> None:
     await sub.close()
 
 
-async def test_restarted_publisher_whose_sequence_passed_ours_still_resets() -> None:
+async def test_restarted_publisher_whose_sequence_passed_ours_still_resets(keys: Keys) -> None:
     """A new publisher process on the same endpoints may have published more batches than the
     old one before we reconnect: its sequence is *ahead* of ours, which looks like a gap. The
     dropped connection is what gives the restart away; nothing from the old process survives."""
     sink = Sink()
-    old = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    old = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", **keys.pub)
     await old.start()
     endpoint, replay = old.endpoint, old.replay_endpoint
     assert replay is not None
-    sub = EventSubscriber(endpoint, replay, on_batch=sink.on_batch, on_reset=sink.on_reset)
+    sub = EventSubscriber(
+        endpoint, replay, on_batch=sink.on_batch, on_reset=sink.on_reset, **keys.sub
+    )
     try:
         await sub.start()
         await until(lambda: old.replays_served >= 1)
         n = await prime(old, sub)  # batches 0..n-1 from the old process
         await until(lambda: len(sink.batches) == n)
         await old.close()
-        new = EventPublisher(endpoint, replay)
+        new = EventPublisher(endpoint, replay, **keys.pub)
         await new.start()
         try:
             for i in range(n + 5):  # ts 100+: the new process's batches, seq 0..n+4
