@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 
 from kvtier.events import EventPublisher
+from kvtier.events.curve import CurveServer, load_server
 from kvtier.worker.build import build_engine
 from kvtier.worker.connector import KVConnector
 from kvtier.worker.engine import Engine
@@ -31,7 +32,11 @@ class Worker:
         self.stats = EngineStats()
         self.tokenizer = ByteTokenizer()
         publisher = (
-            EventPublisher(settings.events_endpoint, settings.events_replay_endpoint)
+            EventPublisher(
+                settings.events_endpoint,
+                settings.events_replay_endpoint,
+                curve=_event_keys(settings),
+            )
             if settings.events_endpoint
             else None
         )
@@ -84,3 +89,11 @@ class Worker:
                     await self.connector.close()
             finally:
                 await self.events.close()
+
+
+def _event_keys(settings: WorkerSettings) -> CurveServer | None:
+    """CURVE keys of the event sockets, when configured (both paths or neither: settings)."""
+    secret, clients = settings.events_curve_secret_key_file, settings.events_curve_clients_dir
+    if secret is None or clients is None:
+        return None
+    return load_server(secret, clients)

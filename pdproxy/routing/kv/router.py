@@ -92,7 +92,10 @@ class KvRouter:
             )
             self._guard.on_recovered = self._on_recovered
         self.feeds = EventFeeds(
-            index, metrics.event_apply_errors.inc, shared=shared_load is not None
+            index,
+            metrics.event_apply_errors.inc,
+            shared=shared_load is not None,
+            curve=settings.events_curve,
         )
         self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []

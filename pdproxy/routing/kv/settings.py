@@ -6,6 +6,8 @@ nothing here reads the environment.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdproxy.tokenize.settings import TokenizerSettings
@@ -60,6 +62,26 @@ class LocalPrefillThresholds(BaseModel):
     )
 
 
+class EventsCurveSettings(BaseModel):
+    """ZMQ CURVE keys for the KV event subscriptions (certificate files written by
+    ``python -m kvtier.events.curve``). With them, every subscription is encrypted and
+    authenticated; a backend with no server key configured is not subscribed at all."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    client_secret_key_file: Path = Field(
+        description="this proxy's secret certificate (NAME.key_secret; its NAME.key goes into "
+        "each worker's events_curve_clients_dir)"
+    )
+    server_public_key_file: Path | None = Field(
+        default=None, description="the workers' public certificate, when they share one"
+    )
+    server_public_key_files: dict[str, Path] = Field(
+        default_factory=dict,
+        description="backend name -> its worker's public certificate (over the shared one)",
+    )
+
+
 class KvRouterSettings(BaseModel):
     """Everything the KV-aware router is configured with."""
 
@@ -106,3 +128,8 @@ class KvRouterSettings(BaseModel):
         default_factory=dict, description="backend name -> its KV event replay endpoint"
     )
     tokenizer: TokenizerSettings = Field(default_factory=TokenizerSettings)
+    events_curve: EventsCurveSettings | None = Field(
+        default=None,
+        description="CURVE keys for the event sockets (they carry prompt token ids); None: "
+        "plain ZMQ, for a private network only",
+    )
