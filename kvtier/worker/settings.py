@@ -19,6 +19,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kvtier.worker.peers import PeerAllowlist
 
 Role = Literal["producer", "consumer", "both"]
+
+PLACEHOLDER_SECRETS = frozenset(
+    {"change-me", "changeme", "change_me", "secret", "password", "placeholder", "xxx"}
+)
+"""Values that configuration templates ship (``change-me`` was compose's old default): a
+worker refuses to start with one as its P2P secret or API key."""
 ModelName = Literal["tiny", "sim"]
 
 
@@ -90,6 +96,13 @@ class WorkerSettings(BaseSettings):
     torch_threads: int = Field(default=0, description="0: leave torch's default")
     shutdown_timeout_s: float = Field(default=5.0, ge=0)
     """On SIGTERM/SIGINT, requests in flight get this long to finish before they are aborted."""
+
+    @field_validator("p2p_secret", "api_key")
+    @classmethod
+    def _no_placeholder(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and value.get_secret_value().strip().lower() in PLACEHOLDER_SECRETS:
+            raise ValueError("a placeholder is not a secret; set a long random value")
+        return value
 
     @field_validator("p2p_allowed_peers")
     @classmethod

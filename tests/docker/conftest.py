@@ -17,22 +17,33 @@ __all__ = ["fake_openai_url"]
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+_VAR = re.compile(
+    r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)"
+)
+
+
+class MissingVariable(Exception):
+    """``${X:?message}`` with X unset or empty (``${X?message}``: unset): compose refuses to
+    start and prints ``message``."""
 
 
 def interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose's variable interpolation (``${X}``, ``${X:-default}``, ``$X``, ``$$``)."""
+    """Compose's variable interpolation (``${X}``, ``${X:-default}``, ``${X-default}``,
+    ``${X:?err}``, ``${X?err}``, ``$X``, ``$$``)."""
     if isinstance(value, str):
 
         def sub(m: re.Match[str]) -> str:
             if m.group(0) == "$$":
                 return "$"
-            name = m.group(1) or m.group(3)
-            default = m.group(2)
+            name = m.group(1) or m.group(4)
+            op, arg = m.group(2), m.group(3)
             got = env.get(name)
-            if got:
-                return got
-            return default if default is not None else ""
+            missing = got is None or (got == "" and op is not None and op.startswith(":"))
+            if op is not None and op.endswith("?") and missing:
+                raise MissingVariable(f"required variable {name} is missing a value: {arg}")
+            if not missing:
+                return got or ""
+            return arg if op is not None and op.endswith("-") else ""
 
         return _VAR.sub(sub, value)
     if isinstance(value, list):
@@ -42,10 +53,22 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
     return value
 
 
-def load_compose(name: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+REQUIRED_SECRETS = {
+    "compose.yaml": {"KVTIER_P2P_SECRET": "p2p-" + "a" * 32, "KVTIER_WORKER_API_KEY": "k" * 32},
+    "compose.vllm.yaml": {"VLLM_API_KEY": "v" * 32},
+}
+"""Values for the secrets each file requires (a real deployment sets its own)."""
+
+
+def load_compose(
+    name: str, env: dict[str, str] | None = None, *, secrets: bool = True
+) -> dict[str, Any]:
+    """The file as compose reads it; ``secrets`` supplies the required secrets (as an operator
+    must), so checks that are not about them see a file that starts."""
     doc = yaml.safe_load((DOCKER / name).read_text())
     assert isinstance(doc, dict)
-    return interpolate(doc, env or {})
+    given = {**(REQUIRED_SECRETS.get(name, {}) if secrets else {}), **(env or {})}
+    return interpolate(doc, given)
 
 
 def environment(service: dict[str, Any]) -> dict[str, str]:

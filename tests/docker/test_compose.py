@@ -90,7 +90,7 @@ def test_workers_parse_with_the_worker_cli(
         assert settings.port == _health_port(compose["services"][name]) == 8100
         assert settings.events_endpoint == "tcp://*:5557" and settings.p2p_port == 5600
         assert settings.sim_decode_ms_per_step > 0
-        secrets.add(settings.p2p_secret)
+        secrets.add(settings.p2p_secret.get_secret_value())
     assert len(secrets) == 1 and secrets != {""}
 
 

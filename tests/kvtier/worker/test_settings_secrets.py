@@ -53,3 +53,11 @@ def test_a_yaml_syntax_error_does_not_quote_the_line(tmp_path: Path) -> None:
         main(["--config", str(config)])
     message = str(exited.value.code)
     assert "line" in message and SECRET not in message
+
+
+@pytest.mark.parametrize("field", ["p2p_secret", "api_key"])
+@pytest.mark.parametrize("value", ["change-me", "CHANGEME", " secret "])
+def test_placeholder_secrets_are_refused(field: str, value: str) -> None:
+    with pytest.raises(ValidationError, match="placeholder") as caught:
+        WorkerSettings(**{field: value})
+    assert value.strip().lower() not in settings_error_text(caught.value).lower()
