@@ -133,6 +133,7 @@ class ProcessGroup:
         model: str = "sim",
         events: bool = False,
         secret: str = "",
+        api_key: str = "",
         args: Sequence[str] = (),
         wait: bool = True,
     ) -> WorkerProcess:
@@ -159,6 +160,8 @@ class ProcessGroup:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "PDPROXY_"))}
         if secret:
             env["KVTIER_P2P_SECRET"] = secret
+        if api_key:  # in the environment, as in production (argv is world-readable)
+            env["KVTIER_WORKER_API_KEY"] = api_key
         proc = WorkerProcess(
             name=name,
             argv=argv,
