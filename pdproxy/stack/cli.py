@@ -29,6 +29,7 @@ from pdproxy.stack.plan import (
     StackOptions,
     StackPlan,
     WorkerModel,
+    admin_key_path,
     build_plan,
     write_proxy_config,
 )
@@ -162,7 +163,11 @@ def serve_stack(
             supervisor.wait_healthy(startup_timeout_s, stop)
             statuses = supervisor.statuses()
             banner = ready_banner(
-                plan.endpoint, plan.model_name, str(log_dir), statuses, plan.admin_key
+                plan.endpoint,
+                plan.model_name,
+                str(log_dir),
+                statuses,
+                str(admin_key_path(plan)) if plan.admin_key else "",
             )
             _say(out, banner)
             if ready_file is not None:

@@ -32,8 +32,10 @@ def ready_banner(
     model: str,
     log_dir: str,
     statuses: Sequence[ProcessStatus],
-    admin_key: str = "",
+    admin_key_file: str = "",
 ) -> str:
+    """The ready message. It names the file holding the admin key, never the key: this text
+    may end up in a log file others can read."""
     lines = [
         "",
         f"PD stack ready: {endpoint}  (OpenAI API, model {model!r})",
@@ -45,8 +47,11 @@ def ready_banner(
         *(f"  {s.name:<12} pid {s.pid:<8} {s.role}" for s in statuses),
         "",
         *(
-            [f"Admin API: curl -s {endpoint}/admin/backends -H 'Authorization: Bearer {admin_key}'"]
-            if admin_key
+            [
+                f"Admin API: curl -s {endpoint}/admin/backends "
+                f'-H "Authorization: Bearer $(cat {shlex.quote(admin_key_file)})"'
+            ]
+            if admin_key_file
             else []
         ),
         "Ctrl-C stops every process.",

@@ -197,6 +197,13 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
     )
 
 
+def admin_key_path(plan: StackPlan) -> Path:
+    """Where the admin key is kept for the operator (the ready banner names this file)."""
+    return plan.config_path.with_name("admin_key")
+
+
 def write_proxy_config(plan: StackPlan) -> None:
-    """The proxy's config holds the admin and worker keys: owner-only (0600)."""
+    """The proxy's config holds the admin and worker keys, and the admin key has a file of its
+    own for ``curl``: both owner-only (0600)."""
     write_private_text(plan.config_path, yaml.safe_dump(plan.proxy_config, sort_keys=False))
+    write_private_text(admin_key_path(plan), plan.admin_key + "\n")

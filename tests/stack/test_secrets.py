@@ -10,7 +10,8 @@ import pytest
 
 from kvtier.private_file import is_private, write_private_text
 from pdproxy.settings import ProxySettings
-from pdproxy.stack.plan import StackOptions, build_plan, write_proxy_config
+from pdproxy.stack.display import ready_banner
+from pdproxy.stack.plan import StackOptions, admin_key_path, build_plan, write_proxy_config
 
 
 @pytest.fixture
@@ -48,6 +49,8 @@ def test_the_config_with_the_keys_is_owner_only(tmp_path: Path) -> None:
     assert is_private(plan.config_path)
     assert oct(plan.config_path.stat().st_mode & 0o777) == "0o600"
     assert plan.worker_key in plan.config_path.read_text()
+    assert is_private(admin_key_path(plan))
+    assert admin_key_path(plan).read_text().strip() == plan.admin_key
     fresh = build_plan(StackOptions(), tmp_path / "new")
     fresh.config_path.parent.mkdir()
     write_proxy_config(fresh)
@@ -64,3 +67,11 @@ def test_a_planted_symlink_does_not_receive_the_secret(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         write_private_text(link, "admin_key: secret\n")
     assert target.read_text() == ""
+
+
+def test_the_ready_banner_names_the_key_file_not_the_key(tmp_path: Path) -> None:
+    """``pdproxy up``'s output often lands in a log file (CI, nohup): no secret in it."""
+    plan = build_plan(StackOptions(), tmp_path)
+    banner = ready_banner(plan.endpoint, plan.model_name, "logs", [], str(admin_key_path(plan)))
+    assert plan.admin_key not in banner and plan.worker_key not in banner
+    assert f"$(cat {admin_key_path(plan)})" in banner

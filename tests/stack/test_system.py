@@ -188,7 +188,12 @@ def test_workers_refuse_callers_without_the_runs_key(stack: Stack) -> None:
     that holds the key is readable by its owner only."""
     config_path = stack.run_dir / "proxy.yaml"
     assert config_path.stat().st_mode & 0o077 == 0
+    assert (stack.run_dir / "admin_key").stat().st_mode & 0o077 == 0
     config = yaml.safe_load(config_path.read_text())
+    # The stack's own output (here a log file) names the key file, never a key.
+    up_log = stack.log.read_text()
+    assert config["admin_key"] not in up_log and "admin_key)" in up_log
+    assert all(b["api_key"] not in up_log for b in config["backends"])
     with httpx.Client(timeout=30) as client:
         for backend in config["backends"]:
             body = {"prompt": "x", "max_tokens": 1}

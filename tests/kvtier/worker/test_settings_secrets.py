@@ -56,7 +56,7 @@ def test_a_yaml_syntax_error_does_not_quote_the_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("field", ["p2p_secret", "api_key"])
-@pytest.mark.parametrize("value", ["change-me", "CHANGEME", " secret "])
+@pytest.mark.parametrize("value", ["change-me", "CHANGEME", " password "])
 def test_placeholder_secrets_are_refused(field: str, value: str) -> None:
     with pytest.raises(ValidationError, match="placeholder") as caught:
         WorkerSettings(**{field: value})
