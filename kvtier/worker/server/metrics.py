@@ -67,6 +67,13 @@ class WorkerCollector(Collector):
         stats = self._worker.stats
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(prefix + name, doc, value=getattr(stats, name))
+        publisher = self._worker.events.publisher
+        if publisher is not None:
+            yield CounterMetricFamily(
+                prefix + "kv_events_refused_clients",
+                "KV event subscribers refused by CURVE (key not admitted)",
+                value=publisher.refused_clients,
+            )
 
     def _resources(self) -> Iterator[Metric]:
         """Gauges that return to their idle values when nothing leaks (supplies, pins, tasks)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.events import BlockStored, EventBatch, EventSubscriber
+from kvtier.events.curve import load_client, write_certificate
 from kvtier.worker.settings import WorkerSettings
 from tests.kvtier.events.conftest import write_curve_files
 
@@ -56,6 +57,22 @@ async def test_only_the_admitted_subscriber_reads_the_prompt(tmp_path: Path) -> 
                     assert resp.status_code == 200
                     await asyncio.sleep(0.1)
             assert spy.token_ids == [] and plain.stats.received == 0
+        # A keyless client fails before the key check; an unadmitted key pair is refused by it
+        # and counted.
+        _, stranger_secret = write_certificate(tmp_path / "stranger", "stranger")
+        stranger = Tap()
+        async with EventSubscriber(
+            pub.endpoint,
+            on_batch=stranger.on_batch,
+            curve=load_client(stranger_secret, files.server_public),
+        ):
+            async with asyncio.timeout(10):
+                while pub.refused_clients == 0:
+                    await asyncio.sleep(0.05)
+        assert stranger.token_ids == []
+        metrics = (await w.client.get("/metrics")).text
+        assert "kvtier_worker_kv_events_refused_clients_total" in metrics
+        assert "kvtier_worker_kv_events_refused_clients_total 0.0" not in metrics
 
 
 def test_curve_files_come_together(tmp_path: Path) -> None:
