@@ -56,9 +56,13 @@ class RelayAttacker:
             self._server.close()
         for writer in self._writers:
             writer.transport.abort()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Aborted transports end the handlers by themselves; a handler cancelled from outside
+        # would make asyncio log its CancelledError.
+        if self._tasks:
+            _, stuck = await asyncio.wait(set(self._tasks), timeout=5)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
         if self._server is not None:
             with contextlib.suppress(OSError):
                 await self._server.wait_closed()
