@@ -173,14 +173,6 @@ class P2PServer:
             await asyncio.sleep(self.settings.lease_check_interval_s)
             self.registry.expire()
 
-    def _admit(self, node_id: PeerNodeId) -> str | None:
-        """Called once a peer proved the secret: take a session slot, or say why not."""
-        if self._sessions >= self.settings.max_connections:
-            self._counters.busy_total += 1
-            return f"server busy: {self._sessions} sessions open"
-        self._sessions += 1
-        return None
-
     async def _connection(self, sock: socket.socket, source: str) -> None:
         try:
             tune_socket(sock, self.settings.socket_buffer_bytes)
@@ -191,25 +183,25 @@ class P2PServer:
             logger.debug("p2p connection setup failed: %s", exc)
             return
         self._channels.add(channel)
+        slot = _SessionSlot(self)
         try:
-            peer = await self._handshake(channel, source)
-            if peer is None:
-                return
-            try:
+            peer = await self._handshake(channel, source, slot)
+            if peer is not None:
                 await self._serve_session(channel, peer)
-            finally:
-                self._sessions -= 1
         finally:
+            slot.release()
             self._channels.discard(channel)
             channel.close()
 
-    async def _handshake(self, channel: FrameChannel, source: str) -> PeerInfo | None:
-        """The peer, authenticated and holding a session slot; None when refused or failed
-        (counted; logged at debug level only: nothing an unauthenticated peer does is logged)."""
+    async def _handshake(
+        self, channel: FrameChannel, source: str, slot: _SessionSlot
+    ) -> PeerInfo | None:
+        """The peer, authenticated and holding ``slot``; None when refused or failed (counted;
+        logged at debug level only: nothing an unauthenticated peer does is logged)."""
         peer: PeerInfo | None = None
         try:
             async with asyncio.timeout(self.settings.handshake_timeout_s):
-                peer = await server_handshake(channel, self.identity, self._admit)
+                peer = await server_handshake(channel, self.identity, slot.take)
         except HandshakeRefused:
             self._counters.refused_total += 1
         except (ProtocolError, TimeoutError, OSError) as exc:
@@ -328,6 +320,16 @@ class P2PServer:
             finally:
                 hold.close()
 
+    def _take_session(self) -> str | None:
+        if self._sessions >= self.settings.max_connections:
+            self._counters.busy_total += 1
+            return f"server busy: {self._sessions} sessions open"
+        self._sessions += 1
+        return None
+
+    def _end_session(self) -> None:
+        self._sessions -= 1
+
     async def _fail(
         self, channel: FrameChannel, fetch: Fetch, keys: tuple[OffloadKey, ...], reason: str
     ) -> None:
@@ -339,3 +341,25 @@ class P2PServer:
             reason,
         )
         await channel.send_frame(Fail(fetch.kv_request_id, keys, reason[:MAX_REASON_CHARS]))
+
+
+class _SessionSlot:
+    """One connection's claim on ``max_connections``: taken when the peer has proven the
+    secret (before ``welcome``), released once when the connection ends, whichever way."""
+
+    __slots__ = ("_server", "_taken")
+
+    def __init__(self, server: P2PServer) -> None:
+        self._server = server
+        self._taken = False
+
+    def take(self, node_id: PeerNodeId) -> str | None:
+        """A refusal reason when every slot is taken; None when this one is now held."""
+        refusal = self._server._take_session()
+        self._taken = refusal is None
+        return refusal
+
+    def release(self) -> None:
+        if self._taken:
+            self._taken = False
+            self._server._end_session()
