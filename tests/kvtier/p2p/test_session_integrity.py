@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from kvtier.errors import IntegrityError
 from kvtier.keys import OffloadKey
 from kvtier.offload.types import LookupResult
 from kvtier.p2p.frames import Done, Fetch
@@ -186,18 +185,6 @@ async def test_control_frames_cannot_be_replayed_reordered_reflected_or_dropped(
     finally:
         await pair.client.close()
         await pair.server.stop()
-
-
-async def test_opener_refuses_the_same_tag_twice() -> None:
-    """The sequence number is consumed by every verification, so a tag is good exactly once."""
-    from kvtier.p2p.sealing import Opener, Sealer
-
-    key = bytes(range(32))
-    sealer, opener = Sealer(key), Opener(key)
-    tag = sealer.tag(sealer.reserve(), b"frame")
-    opener.verify(b"frame", tag, "frame")
-    with pytest.raises(IntegrityError):
-        opener.verify(b"frame", tag, "frame")
 
 
 async def test_consumer_refuses_a_producer_other_than_the_one_named() -> None:
