@@ -14,13 +14,13 @@ fetched, nor any later key it holds; the rest is demanded in one ``fetch`` frame
 received straight into the page the sink reserved (``loop.sock_recv_into``), its key and its
 MAC under the session key verified, and only then committed (I6): a page that fails is aborted,
 never readable. ``expected_node_id`` (the producer's node id from its answer) makes the
-handshake refuse any other node. A key the sink holds by the time its block
-comes (another fetch installed it meanwhile) has its payload skipped and counts as usable. A key
-that fails, is refused by the sink (no page can be freed), or misses ``deadline`` ends the
-usable prefix there; fetch never raises for transport failures, it
-returns what is usable and why the rest is not, within ``deadline`` (a ``time.monotonic()``
-value; default ``now + settings.fetch_timeout_s``). After the fetch the client sends ``done`` so
-the producer releases the supply (``finish=False`` keeps it for a later fetch).
+handshake refuse any other node. A key the sink holds by the time its block comes (another
+fetch installed it meanwhile) has its payload skipped and counts as usable. A key that fails,
+is refused by the sink (no page can be freed), or misses ``deadline`` ends the usable prefix
+there; fetch never raises for transport failures, it returns what is usable and why the rest
+is not, within ``deadline`` (a ``time.monotonic()`` value; default ``now +
+settings.fetch_timeout_s``). After the fetch the client sends ``done`` so the producer releases
+the supply (``finish=False`` keeps it for a later fetch).
 
 Sessions are reused per producer (one fetch at a time per connection; several connections per
 producer when fetches run concurrently, at most ``max_sessions_per_peer`` kept idle).
@@ -119,6 +119,15 @@ class FetchResult:
         return self.usable == len(self.keys)
 
 
+@dataclass(frozen=True, slots=True)
+class _Producer:
+    """Where a fetch goes, and which node it must find there (None: any that authenticates)."""
+
+    host: str
+    port: int
+    node_id: str | None
+
+
 @dataclass(slots=True)
 class _Progress:
     fetched: list[OffloadKey] = field(default_factory=list)
@@ -171,7 +180,7 @@ class P2PClient:
             progress.reason = "the producer's node id is unknown; it is required"
         elif missing or finish:
             await self._exchange(
-                (remote_host, remote_port, expected_node_id),
+                _Producer(remote_host, remote_port, expected_node_id),
                 rid,
                 missing=missing,
                 deadline=deadline,
@@ -242,7 +251,7 @@ class P2PClient:
 
     async def _exchange(
         self,
-        target: tuple[str, int, str | None],
+        target: _Producer,
         rid: KvRequestId,
         *,
         missing: tuple[OffloadKey, ...],
@@ -250,7 +259,7 @@ class P2PClient:
         finish: bool,
         progress: _Progress,
     ) -> None:
-        host, port, expected_node_id = target
+        host, port, expected_node_id = target.host, target.port, target.node_id
         session: Session | None = None
         ended_cleanly = False
         try:
