@@ -26,7 +26,9 @@ a fresh nonce — no page, no kv_request_id); the server reads at most one frame
 limits concurrent ones, and a global cap bounds all unauthenticated connections (more are closed
 on accept). Refusals are counted in :meth:`P2PServer.stats`, never logged one by one, so a flood
 costs neither memory nor log volume. ``max_connections`` counts authenticated sessions only, so
-unauthenticated peers cannot take the slots of legitimate ones.
+unauthenticated peers cannot take the slots of legitimate ones. What remains is availability: a
+flood from many source addresses can keep the pending-handshake slots full, and new sessions
+then fail until it stops; consumers recompute meanwhile (slower, never wrong).
 
 *What the secret protects.* Proofs bind the secret to both nonces, both node ids, the
 fingerprint and the version; the session keys (HKDF-SHA256, one per direction) are derived from
