@@ -22,9 +22,9 @@ fails verification. A sequence number is never reused under a key, as GCM requir
 Why GMAC: measured on the project's machine (AMD EPYC, AES-NI/VAES/PCLMUL) over 512 KiB pages,
 in one thread: AES-GCM as a MAC 8-19 GiB/s, ChaCha20-Poly1305 7-12, Poly1305 5-10, BLAKE3 5
 (extra package), SHA-256 1.6, HMAC-SHA256 1.5, BLAKE2b 0.65 GiB/s; a raw loopback socket moves
-1.8 GiB/s. Only the AEAD-based MACs leave the transfer near socket speed; xxh3 (40+ GiB/s) is
-not a MAC at all. The per-session key means the tag is computed per send, not once per page:
-a per-page content hash computed at write completion would make the receiver run a
+1-2.6 GiB/s there. Only the AEAD-based MACs leave the transfer near socket speed; xxh3 (40+
+GiB/s) is not a MAC at all. The per-session key means the tag is computed per send, not once
+per page: a per-page content hash computed at write completion would make the receiver run a
 collision-resistant hash over every page (at best BLAKE3, 2-4x slower than GMAC here), so it
 costs more end to end than a MAC on both ends.
 """
