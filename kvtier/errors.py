@@ -15,6 +15,7 @@ Hierarchy::
     └── P2PError                  peer transport failures
         ├── HandshakeRefused      version, fingerprint or authentication mismatch
         ├── ProtocolError         a malformed or unexpected frame
+        │   └── IntegrityError    a frame or payload whose MAC under the session key fails
         └── FetchFailed           demanded blocks could not be delivered
 
 Each boundary translates foreign exceptions into these (``raise X(...) from exc``).
@@ -74,6 +75,11 @@ class HandshakeRefused(P2PError):
 
 class ProtocolError(P2PError):
     """A malformed or unexpected frame."""
+
+
+class IntegrityError(ProtocolError):
+    """A frame or block payload whose MAC under the session key does not verify: tampered,
+    forged, replayed, reordered or reflected. Nothing it carried is used."""
 
 
 class FetchFailed(P2PError):

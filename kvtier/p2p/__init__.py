@@ -3,14 +3,64 @@
 DESIGN §5. A prefill worker (producer) serves the pages of each producer leg, registered under
 the leg's ``kv_request_id`` K; a decode worker (consumer) fetches the keys it lacks straight into
 its host pages. Transport: TCP + length-prefixed msgpack control frames, raw payloads
-(:mod:`kvtier.p2p.frames`), a handshake with version, node id, layout fingerprint and mutual
-HMAC-SHA256 over nonces (:mod:`kvtier.p2p.handshake`; without ``KVTIER_P2P_SECRET`` only
-loopback peers are accepted, and the server logs so).
+(:mod:`kvtier.p2p.frames`), a handshake with version, node ids, layout fingerprint and a mutual
+proof of the shared secret that derives per-session keys (:mod:`kvtier.p2p.handshake`,
+:mod:`kvtier.p2p.sealing`); every later frame and payload carries a MAC under those keys.
 
-Modules: ``frames`` (wire format), ``layout`` (fingerprint), ``handshake``, ``channel``
-(zero-copy framed socket I/O), ``supply`` (producer registry: references, waits, leases),
-``server`` (producer endpoint), ``sessions`` + ``client`` (consumer), ``pool_pages`` (adapters to
-``kvtier.offload.HostPagePool``), ``tier`` (the ``SecondaryTier``), ``settings``.
+Threat model (who may connect, what they can make it do)
+--------------------------------------------------------
+
+*Assets.* KV pages are derived from users' prompts (confidential), and a consumer installs
+fetched pages in its shared prefix cache: a forged page would change the answers of every later
+request with that prefix, whoever sends it (cross-tenant poisoning).
+
+*Who may connect.* Anyone who can reach the producer's P2P port may open a TCP connection. Only
+a peer holding ``KVTIER_P2P_SECRET`` completes the handshake. Without a secret configured, both
+ends accept loopback peers only: then every local process is trusted, and nothing else is.
+
+*What an unauthenticated peer can make the server do.* A bounded handshake, nothing more
+(:mod:`kvtier.p2p.admission`): it receives one ``hello`` (version, node id, layout fingerprint,
+a fresh nonce — no page, no kv_request_id); the server reads at most one frame of at most
+:data:`~kvtier.p2p.frames.HANDSHAKE_MAX_FRAME_BYTES` (4 KiB) from it within
+``handshake_timeout_s``; per source address a token bucket limits handshake attempts and a cap
+limits concurrent ones, and a global cap bounds all unauthenticated connections (more are closed
+on accept). Refusals are counted in :meth:`P2PServer.stats`, never logged one by one, so a flood
+costs neither memory nor log volume. ``max_connections`` counts authenticated sessions only, so
+unauthenticated peers cannot take the slots of legitimate ones. What remains is availability: a
+flood from many source addresses can keep the pending-handshake slots full, and new sessions
+then fail until it stops; consumers recompute meanwhile (slower, never wrong).
+
+*What the secret protects.* Proofs bind the secret to both nonces, both node ids, the
+fingerprint and the version; the session keys (HKDF-SHA256, one per direction) are derived from
+the same transcript. A captured handshake cannot be replayed (fresh nonces). A peer that relays
+a consumer's handshake to the real producer (the relay attack) gets an authenticated session it
+cannot use: every frame after ``welcome`` and every block payload carries a GMAC under a key it
+does not know, with a per-direction sequence number, so it cannot forge, alter, replay, reorder,
+drop or reflect anything without the consumer (or producer) noticing and closing the session.
+The consumer verifies each payload before the page becomes readable (I6); a failure ends the
+usable prefix there and the rest is recomputed. Given the producer's node id (its answer's
+``remote_engine_id``, passed on by the proxy), a consumer refuses any other node, so a wrong
+``remote_host`` cannot hand it another producer's pages. ``kv_request_id`` is 128 random bits:
+an authenticated peer that guesses one gets "unknown kv_request_id".
+
+*What the secret does not protect.* Confidentiality: pages cross the wire in clear (integrity
+without encryption keeps the transfer near socket speed). Anyone who can read the fabric can
+read prompts' KV; put P2P on a private network, or a VPN/IPsec/WireGuard link, when that is not
+acceptable. Every holder of the secret is trusted as a producer and a consumer: one secret per
+trust domain. The secret is not rotated by the protocol; rotate it by restarting peers.
+
+*Trusted fabrics.* There is no integrity opt-out: a MAC costs one AES-GCM pass per page per
+side, 0.11-0.16 of the raw socket's transfer time (``loadtest/bench_p2p`` prints it), and
+back-to-back runs with the payload MACs removed were not measurably faster than with them (the
+run-to-run noise of a shared machine was larger). A private fabric still gains from detecting
+corruption. On a private network with one tenant the secret still keeps strangers'
+processes (e.g. a compromised neighbour container) away from prompt-derived pages.
+
+Modules: ``frames`` (wire format), ``layout`` (fingerprint), ``sealing`` (key schedule, MACs),
+``handshake``, ``admission`` (pre-auth limits, server counters), ``channel`` (zero-copy framed
+socket I/O, sealed after the handshake), ``supply`` (producer registry: references, waits,
+leases), ``server`` (producer endpoint), ``sessions`` + ``client`` (consumer), ``pool_pages``
+(adapters to ``kvtier.offload.HostPagePool``), ``tier`` (the ``SecondaryTier``), ``settings``.
 
 Producer side (inside the worker's asyncio loop)::
 
@@ -35,7 +85,8 @@ page (a :class:`SupplyPage`, e.g. :class:`PoolSupplyPage` over a pool ``PageRef`
 Consumer side::
 
     client = P2PClient(settings, identity, PoolSink(pool))
-    result = await client.fetch(remote_host, remote_port, K, keys, deadline)
+    result = await client.fetch(remote_host, remote_port, K, keys, deadline,
+                                expected_node_id=remote_engine_id)
     # result.usable leading keys of ``keys`` are in the host pool now; load them to the GPU.
     # result.reason says why the prefix ended early (recompute from there); never raises for
     # transport failures, always returns by ``deadline`` (a time.monotonic() value).
@@ -43,6 +94,7 @@ Consumer side::
     await client.close()
 """
 
+from kvtier.p2p.admission import ServerStats
 from kvtier.p2p.client import BlockSink, FetchResult, P2PClient, PageReservation
 from kvtier.p2p.frames import PROTOCOL_VERSION, KvRequestId, PeerNodeId
 from kvtier.p2p.handshake import LocalIdentity
@@ -69,6 +121,7 @@ __all__ = [
     "PeerNodeId",
     "PoolSink",
     "PoolSupplyPage",
+    "ServerStats",
     "SupplyPage",
     "SupplyRegistry",
 ]

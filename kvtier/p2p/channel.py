@@ -1,10 +1,17 @@
-"""Framed I/O over one non-blocking TCP socket, with zero-copy payloads.
+"""Framed I/O over one non-blocking TCP socket, with zero-copy payloads and MACs.
 
 Control frames are read exactly (prefix, then body) so no payload byte is ever buffered here;
 payloads go straight from the socket into the caller's destination buffer with
 ``loop.sock_recv_into`` and from page memory to the socket with ``loop.sock_sendall`` on a
 memoryview. ``StreamReader.readexactly`` copies every chunk and measured 5-10x slower on large
 buffers, so it is not used.
+
+A channel starts *unsealed*: it carries only handshake frames, each at most
+:data:`~kvtier.p2p.frames.HANDSHAKE_MAX_FRAME_BYTES`, so an unauthenticated peer can make it
+allocate a few KiB at most. After the handshake :meth:`FrameChannel.seal` installs the session
+keys; from then on every frame carries a MAC (:mod:`kvtier.p2p.sealing`) that is verified
+before its body is parsed, each block payload is verified (after it landed in the destination
+page, before the caller may use it), and handshake frames are refused.
 """
 
 from __future__ import annotations
@@ -13,17 +20,20 @@ import asyncio
 import ipaddress
 import socket
 
-import xxhash
-
 from kvtier.errors import ProtocolError
+from kvtier.keys import OffloadKey
 from kvtier.p2p.frames import (
+    HANDSHAKE_FRAMES,
+    HANDSHAKE_MAX_FRAME_BYTES,
     LENGTH_PREFIX,
     BlockHeader,
     Frame,
     decode_frame,
+    encode_body,
     encode_frame,
     frame_length,
 )
+from kvtier.p2p.sealing import TAG_BYTES, Opener, Sealer
 
 
 class PeerClosed(ProtocolError):
@@ -55,7 +65,17 @@ def is_loopback(address: object) -> bool:
 class FrameChannel:
     """One connection's frames and payloads. Not safe for concurrent readers or writers."""
 
-    __slots__ = ("_closed", "_loop", "_max_frame", "_prefix", "peer", "sock")
+    __slots__ = (
+        "_closed",
+        "_loop",
+        "_max_frame",
+        "_opener",
+        "_pending",
+        "_prefix",
+        "_sealer",
+        "peer",
+        "sock",
+    )
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int) -> None:
         self.sock = sock
@@ -63,6 +83,9 @@ class FrameChannel:
         self._max_frame = max_frame_bytes
         self._prefix = bytearray(LENGTH_PREFIX.size)
         self._closed = False
+        self._sealer: Sealer | None = None
+        self._opener: Opener | None = None
+        self._pending: BlockHeader | None = None
         try:
             self.peer: object = sock.getpeername()
         except OSError:
@@ -71,6 +94,15 @@ class FrameChannel:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def sealed(self) -> bool:
+        return self._opener is not None
+
+    def seal(self, send_key: bytes, recv_key: bytes) -> None:
+        """The handshake succeeded: authenticate everything from here on, both ways."""
+        self._sealer = Sealer(send_key)
+        self._opener = Opener(recv_key)
 
     async def _recv_exactly(self, view: memoryview) -> int:
         """Fill ``view``; returns bytes read (less than its length only at EOF)."""
@@ -88,26 +120,57 @@ class FrameChannel:
         return got
 
     async def read_frame(self) -> Frame | None:
-        """The next control frame, or None when the peer closed cleanly between frames."""
+        """The next control frame, or None when the peer closed cleanly between frames.
+
+        Sealed: the frame's MAC is verified before its body is parsed (IntegrityError); after
+        a ``block`` header the caller must take its payload (:meth:`read_payload_into` or
+        :meth:`discard_payload`) before the next frame.
+        """
+        if self._pending is not None:
+            raise ProtocolError("the previous block's payload was not read")
         prefix = memoryview(self._prefix)
         got = await self._recv_exactly(prefix)
         if got == 0:
             return None
         if got < len(prefix):
             raise PeerClosed("connection closed inside a frame length prefix")
-        n = frame_length(prefix, self._max_frame)
-        body = bytearray(n)
-        if await self._recv_exactly(memoryview(body)) < n:
+        opener = self._opener
+        if opener is None:
+            n = frame_length(prefix, min(self._max_frame, HANDSHAKE_MAX_FRAME_BYTES))
+        else:
+            n = frame_length(prefix, self._max_frame + TAG_BYTES)
+            if n <= TAG_BYTES:
+                raise ProtocolError(f"sealed frame of {n} bytes has no body")
+        data = bytearray(n)
+        if await self._recv_exactly(memoryview(data)) < n:
             raise PeerClosed(f"connection closed inside a {n}-byte frame")
-        return decode_frame(body)
+        if opener is None:
+            frame = decode_frame(data)
+            if not isinstance(frame, HANDSHAKE_FRAMES):
+                raise ProtocolError(f"{type(frame).__name__} frame before authentication")
+            return frame
+        body = memoryview(data)[: n - TAG_BYTES]
+        opener.verify(bytes(self._prefix) + body, memoryview(data)[n - TAG_BYTES :], "frame")
+        frame = decode_frame(body)
+        if isinstance(frame, HANDSHAKE_FRAMES):
+            raise ProtocolError(f"{type(frame).__name__} frame after authentication")
+        if isinstance(frame, BlockHeader):
+            self._pending = frame
+        return frame
 
-    async def read_payload_into(self, dest: memoryview) -> int:
-        """Receive exactly ``len(dest)`` payload bytes straight into ``dest``.
+    def _take_pending(self, nbytes: int) -> tuple[Opener, BlockHeader]:
+        header, opener = self._pending, self._opener
+        if header is None or opener is None:
+            raise ProtocolError("no block header announced this payload")
+        if header.nbytes != nbytes:
+            raise ProtocolError(f"payload of {header.nbytes} bytes read as {nbytes}")
+        self._pending = None
+        return opener, header
 
-        Returns the xxh3-64 of the payload, hashed chunk by chunk as it arrives (while the bytes
-        are still in cache) rather than in a second pass over the page.
-        """
-        hasher = xxhash.xxh3_64()
+    async def read_payload_into(self, dest: memoryview) -> None:
+        """Receive the announced payload straight into ``dest`` (exactly its size), then verify
+        its MAC; IntegrityError means ``dest`` holds bytes nobody may use."""
+        opener, header = self._take_pending(len(dest))
         got = 0
         total = len(dest)
         recv_into = self._loop.sock_recv_into
@@ -118,12 +181,14 @@ class FrameChannel:
                 raise PeerClosed(f"connection lost: {exc}") from exc
             if n == 0:
                 raise PeerClosed(f"connection closed inside a {total}-byte payload")
-            hasher.update(dest[got : got + n])
             got += n
-        return hasher.intdigest()
+        opener.verify(dest, header.mac, "block payload")
 
     async def discard_payload(self, nbytes: int) -> None:
-        """Read and drop ``nbytes`` (a payload the receiver cannot use), in bounded chunks."""
+        """Read and drop the announced payload (the receiver cannot use it), in bounded chunks.
+        Its MAC is not checked: nothing of it is kept."""
+        opener, _ = self._take_pending(nbytes)
+        opener.skip()
         scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
         left = nbytes
         while left > 0:
@@ -133,15 +198,32 @@ class FrameChannel:
             left -= len(step)
 
     async def send_frame(self, frame: Frame) -> None:
-        await self._send(encode_frame(frame))
+        sealer = self._sealer
+        if sealer is None:
+            if not isinstance(frame, HANDSHAKE_FRAMES):
+                raise ProtocolError(f"{type(frame).__name__} frame before authentication")
+            await self._send(encode_frame(frame))
+            return
+        await self._send(self._sealed(sealer, sealer.reserve(), encode_body(frame)))
 
-    async def send_block(self, header: BlockHeader, payload: memoryview) -> None:
+    @staticmethod
+    def _sealed(sealer: Sealer, seq: int, body: bytes) -> bytes:
+        head = LENGTH_PREFIX.pack(len(body) + TAG_BYTES) + body
+        return head + sealer.tag(seq, head)
+
+    async def send_block(self, key: OffloadKey, payload: memoryview) -> None:
         """A block header and its payload, the payload sent from ``payload``'s memory.
 
-        One ``sendmsg`` tries both at once (one syscall per block when the socket has room);
-        whatever did not fit goes out with ``sock_sendall``.
+        The payload's MAC (under the next sequence number after the header's) travels in the
+        header. One ``sendmsg`` tries both at once (one syscall per block when the socket has
+        room); whatever did not fit goes out with ``sock_sendall``.
         """
-        head = encode_frame(header)
+        sealer = self._sealer
+        if sealer is None:
+            raise ProtocolError("block before authentication")
+        header_seq, payload_seq = sealer.reserve(), sealer.reserve()
+        mac = sealer.tag(payload_seq, payload)
+        head = self._sealed(sealer, header_seq, encode_body(BlockHeader(key, len(payload), mac)))
         try:
             sent = self.sock.sendmsg((head, payload))
         except (BlockingIOError, InterruptedError):

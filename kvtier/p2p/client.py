@@ -11,14 +11,16 @@ Use inside the worker's asyncio loop::
 
 ``keys`` is the request's chunk keys in order. Leading keys the sink already holds are not
 fetched, nor any later key it holds; the rest is demanded in one ``fetch`` frame. Each block is
-received straight into the page the sink reserved (``loop.sock_recv_into``), its key and xxh3
-checksum verified, and only then committed (I6). A key the sink holds by the time its block
-comes (another fetch installed it meanwhile) has its payload skipped and counts as usable. A key
-that fails, is refused by the sink (no page can be freed), or misses ``deadline`` ends the
-usable prefix there; fetch never raises for transport failures, it
-returns what is usable and why the rest is not, within ``deadline`` (a ``time.monotonic()``
-value; default ``now + settings.fetch_timeout_s``). After the fetch the client sends ``done`` so
-the producer releases the supply (``finish=False`` keeps it for a later fetch).
+received straight into the page the sink reserved (``loop.sock_recv_into``), its key and its
+MAC under the session key verified, and only then committed (I6): a page that fails is aborted,
+never readable. ``expected_node_id`` (the producer's node id from its answer) makes the
+handshake refuse any other node. A key the sink holds by the time its block comes (another
+fetch installed it meanwhile) has its payload skipped and counts as usable. A key that fails,
+is refused by the sink (no page can be freed), or misses ``deadline`` ends the usable prefix
+there; fetch never raises for transport failures, it returns what is usable and why the rest
+is not, within ``deadline`` (a ``time.monotonic()`` value; default ``now +
+settings.fetch_timeout_s``). After the fetch the client sends ``done`` so the producer releases
+the supply (``finish=False`` keeps it for a later fetch).
 
 Sessions are reused per producer (one fetch at a time per connection; several connections per
 producer when fetches run concurrently, at most ``max_sessions_per_peer`` kept idle).
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from kvtier.errors import HandshakeRefused, P2PError, ProtocolError
+from kvtier.errors import HandshakeRefused, IntegrityError, P2PError, ProtocolError
 from kvtier.keys import OffloadKey
 from kvtier.p2p.channel import FrameChannel, PeerClosed
 from kvtier.p2p.frames import (
@@ -117,6 +119,15 @@ class FetchResult:
         return self.usable == len(self.keys)
 
 
+@dataclass(frozen=True, slots=True)
+class _Producer:
+    """Where a fetch goes, and which node it must find there (None: any that authenticates)."""
+
+    host: str
+    port: int
+    node_id: str | None
+
+
 @dataclass(slots=True)
 class _Progress:
     fetched: list[OffloadKey] = field(default_factory=list)
@@ -150,8 +161,13 @@ class P2PClient:
         deadline: float | None = None,
         *,
         finish: bool = True,
+        expected_node_id: str | None = None,
     ) -> FetchResult:
-        """Fetch the keys of ``keys`` that the sink lacks; see the module docstring."""
+        """Fetch the keys of ``keys`` that the sink lacks; see the module docstring.
+
+        ``expected_node_id``: the producer's node id (from its answer); the handshake refuses
+        any other node. Required when ``settings.require_producer_id`` is set.
+        """
         rid = _checked_id(kv_request_id)
         wanted = as_keys(keys)
         started = time.monotonic()
@@ -160,10 +176,11 @@ class P2PClient:
         held = [self.sink.holds(k) for k in wanted]
         missing = tuple(dict.fromkeys(k for k, h in zip(wanted, held, strict=True) if not h))
         progress = _Progress()
-        if missing or finish:
+        if expected_node_id is None and self.settings.require_producer_id:
+            progress.reason = "the producer's node id is unknown; it is required"
+        elif missing or finish:
             await self._exchange(
-                remote_host,
-                remote_port,
+                _Producer(remote_host, remote_port, expected_node_id),
                 rid,
                 missing=missing,
                 deadline=deadline,
@@ -189,7 +206,13 @@ class P2PClient:
         )
 
     async def release(
-        self, remote_host: str, remote_port: int, kv_request_id: str, deadline: float | None = None
+        self,
+        remote_host: str,
+        remote_port: int,
+        kv_request_id: str,
+        deadline: float | None = None,
+        *,
+        expected_node_id: str | None = None,
     ) -> bool:
         """Ask a producer to release ``kv_request_id`` (e.g. the client went away)."""
         rid = _checked_id(kv_request_id)
@@ -199,7 +222,8 @@ class P2PClient:
         sent = False
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                session = await self._sessions.take((remote_host, remote_port))
+                peer = (remote_host, remote_port)
+                session = await self._sessions.take(peer, expected_node_id)
                 await session.channel.send_frame(Release(rid))
                 sent = True
         except (P2PError, OSError, TimeoutError) as exc:
@@ -227,8 +251,7 @@ class P2PClient:
 
     async def _exchange(
         self,
-        host: str,
-        port: int,
+        target: _Producer,
         rid: KvRequestId,
         *,
         missing: tuple[OffloadKey, ...],
@@ -236,11 +259,12 @@ class P2PClient:
         finish: bool,
         progress: _Progress,
     ) -> None:
+        host, port, expected_node_id = target.host, target.port, target.node_id
         session: Session | None = None
         ended_cleanly = False
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                session = await self._sessions.take((host, port))
+                session = await self._sessions.take((host, port), expected_node_id)
                 if missing:
                     try:
                         await self._fetch_on(session, rid, missing, deadline, progress)
@@ -249,7 +273,7 @@ class P2PClient:
                             raise
                         # An idle session the producer closed meanwhile: one fresh attempt.
                         session.channel.close()
-                        session = await self._sessions.connect((host, port))
+                        session = await self._sessions.connect((host, port), expected_node_id)
                         await self._fetch_on(session, rid, missing, deadline, progress)
                 if finish and progress.session_clean:
                     await session.channel.send_frame(Done(rid))
@@ -258,6 +282,9 @@ class P2PClient:
             progress.reason = progress.reason or "deadline passed"
         except HandshakeRefused as exc:
             progress.reason = progress.reason or f"handshake refused: {exc}"
+        except IntegrityError as exc:
+            logger.warning("p2p fetch %s from %s:%d: %s; not installed", rid, host, port, exc)
+            progress.reason = progress.reason or f"integrity: {exc}"
         except (P2PError, OSError) as exc:
             logger.warning("p2p fetch %s from %s:%d broke off: %s", rid, host, port, exc)
             progress.reason = progress.reason or f"transport: {exc}"
@@ -339,9 +366,7 @@ class P2PClient:
                 return
             committed = False
             try:
-                checksum = await channel.read_payload_into(reservation.buffer)
-                if checksum != frame.checksum:
-                    raise ProtocolError("checksum mismatch: the block is not installed")
+                await channel.read_payload_into(reservation.buffer)  # IntegrityError: tampered
                 reservation.commit()
                 committed = True
             finally:

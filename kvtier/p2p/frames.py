@@ -1,18 +1,22 @@
 """P2P wire frames: pure encoding and decoding, no I/O.
 
-Every control frame is ``length (uint32 big-endian) ‖ msgpack map`` with a ``type`` field. A
-``block`` frame is followed on the wire by exactly ``nbytes`` of raw page payload (not part of
-the frame). Types and their fields:
+Every control frame is ``length (uint32 big-endian) ‖ msgpack map`` with a ``type`` field. The
+handshake frames (``hello``, ``auth``, ``welcome``, ``refuse``) travel before authentication
+and are capped at :data:`HANDSHAKE_MAX_FRAME_BYTES`. Every later frame is *sealed*: the length
+counts the msgpack body plus a 16-byte MAC under the session key (:mod:`kvtier.p2p.sealing`)
+that follows the body. A ``block`` frame is followed on the wire by exactly ``nbytes`` of raw
+page payload (not part of the frame), authenticated by the frame's ``mac`` field. Types:
 
 =============  ==========================  ====================================================
 type           direction                   fields
 =============  ==========================  ====================================================
 ``hello``      server → client, first      ``version, node_id, fingerprint, nonce, auth``
 ``auth``       client → server             ``version, node_id, fingerprint, nonce, mac``
-``welcome``    server → client             ``mac`` (server's proof over the client nonce)
+                                           (the client's proof over the transcript)
+``welcome``    server → client             ``mac`` (the server's proof over the transcript)
 ``refuse``     either → other, then close  ``reason``
 ``fetch``      consumer → producer         ``kv_request_id, keys, deadline_ms``
-``block``      producer → consumer         ``key, nbytes, checksum`` (xxh3_64 of the payload)
+``block``      producer → consumer         ``key, nbytes, mac`` (the payload's MAC)
 ``fail``       producer → consumer         ``kv_request_id, keys, reason``
 ``done``       consumer → producer         ``kv_request_id``
 ``release``    anyone → producer           ``kv_request_id``
@@ -36,10 +40,13 @@ from kvtier.errors import ProtocolError
 from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey
 from kvtier.p2p.layout import LayoutFingerprint
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 LENGTH_PREFIX = struct.Struct(">I")
 NONCE_BYTES = 32
-MAC_BYTES = 32
+PROOF_BYTES = 32
+PAYLOAD_MAC_BYTES = 16
+HANDSHAKE_MAX_FRAME_BYTES = 4096
+"""Cap on a frame before authentication: nothing larger is allocated for an unknown peer."""
 MAX_ID_CHARS = 128
 MAX_REASON_CHARS = 1024
 MAX_PAYLOAD_BYTES = 1 << 31
@@ -90,7 +97,8 @@ class Fetch:
 class BlockHeader:
     key: OffloadKey
     nbytes: int
-    checksum: int
+    mac: bytes
+    """MAC of the payload under the session key (filled in by the sending channel)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +119,18 @@ class Release:
 
 
 Frame = Hello | Auth | Welcome | Refuse | Fetch | BlockHeader | Fail | Done | Release
+HandshakeFrame = Hello | Auth | Welcome | Refuse
+HANDSHAKE_FRAMES = (Hello, Auth, Welcome, Refuse)
 
 
 def encode_frame(frame: Frame) -> bytes:
-    """Length prefix and msgpack body of one control frame."""
+    """Length prefix and msgpack body of one unsealed (handshake) frame."""
+    packed = encode_body(frame)
+    return LENGTH_PREFIX.pack(len(packed)) + packed
+
+
+def encode_body(frame: Frame) -> bytes:
+    """The msgpack body of one control frame (no length prefix)."""
     body: dict[str, object]
     match frame:
         case Hello():
@@ -151,7 +167,7 @@ def encode_frame(frame: Frame) -> bytes:
                 "type": "block",
                 "key": frame.key,
                 "nbytes": frame.nbytes,
-                "checksum": frame.checksum,
+                "mac": frame.mac,
             }
         case Fail():
             body = {
@@ -165,7 +181,7 @@ def encode_frame(frame: Frame) -> bytes:
         case Release():
             body = {"type": "release", "kv_request_id": frame.kv_request_id}
     packed: bytes = msgpack.packb(body, use_bin_type=True)
-    return LENGTH_PREFIX.pack(len(packed)) + packed
+    return packed
 
 
 def frame_length(prefix: bytes | bytearray | memoryview, max_frame_bytes: int) -> int:
@@ -189,7 +205,7 @@ def decode_frame(body: bytes | bytearray | memoryview) -> Frame:
         return BlockHeader(
             _key(raw.get("key")),
             _int(raw, "nbytes", 1, MAX_PAYLOAD_BYTES),
-            _int(raw, "checksum", 0, (1 << 64) - 1),
+            _bytes(raw, "mac", PAYLOAD_MAC_BYTES),
         )
     if kind == "fetch":
         return Fetch(_rid(raw), _keys(raw.get("keys")), _int(raw, "deadline_ms", 0, 3_600_000))
@@ -208,21 +224,15 @@ def decode_frame(body: bytes | bytearray | memoryview) -> Frame:
             _bool(raw, "auth"),
         )
     if kind == "auth":
-        mac = raw.get("mac")
-        if not isinstance(mac, bytes) or len(mac) not in (0, MAC_BYTES):
-            raise ProtocolError("auth mac must be empty or 32 bytes")
         return Auth(
             _int(raw, "version", 0, 1 << 16),
             PeerNodeId(_str(raw, "node_id", MAX_ID_CHARS)),
             LayoutFingerprint.from_wire(raw.get("fingerprint")),
             _bytes(raw, "nonce", NONCE_BYTES),
-            mac,
+            _bytes(raw, "mac", PROOF_BYTES),
         )
     if kind == "welcome":
-        mac = raw.get("mac")
-        if not isinstance(mac, bytes) or len(mac) not in (0, MAC_BYTES):
-            raise ProtocolError("welcome mac must be empty or 32 bytes")
-        return Welcome(mac)
+        return Welcome(_bytes(raw, "mac", PROOF_BYTES))
     if kind == "refuse":
         return Refuse(_str(raw, "reason", MAX_REASON_CHARS))
     raise ProtocolError(f"unknown frame type {str(kind)[:40]!r}")

@@ -1,27 +1,32 @@
-"""The P2P handshake: version, node id, layout fingerprint and mutual HMAC authentication.
+"""The P2P handshake: version, node ids, layout fingerprint, mutual proof, session keys.
 
 1. server → ``hello {version, node_id, fingerprint, nonce, auth}``
-2. client → ``auth {version, node_id, fingerprint, nonce, mac}`` where ``mac`` is
-   HMAC-SHA256(secret, "client" ‖ server nonce ‖ client node id ‖ fingerprint) when the client
-   has a secret, else empty.
-3. server checks version, fingerprint and mac (or, when it has no secret, that the peer is on
-   loopback) and answers ``welcome {mac}`` with its own proof over the client nonce, or
-   ``refuse {reason}`` and closes.
-4. a client with a secret checks the server's proof; a client without one talks only to loopback.
+2. client → ``auth {version, node_id, fingerprint, nonce, mac}``: ``mac`` is the client's
+   proof over the transcript (both nonces, both node ids, the fingerprint, the version), under
+   a key derived from the shared secret (:mod:`kvtier.p2p.sealing`).
+3. server checks version, fingerprint and proof (or, when it has no secret, that the peer is on
+   loopback); it then either answers ``refuse {reason}`` and closes, or ``welcome {mac}`` with
+   its own proof over the same transcript.
+4. the client checks the server's proof and, when it was told which producer it talks to, that
+   the server's node id is that one (the id is part of the proven transcript, so a relay cannot
+   substitute another node's hello).
+5. both ends seal the channel with the per-direction session keys: nothing after ``welcome`` is
+   accepted without a MAC under a key only the two ends hold.
 
-Both sides log every refusal with its reason.
+Without a secret the same steps run with an empty secret, and both ends accept only loopback
+peers: the keys then catch corruption, not attackers (any local process is trusted).
+
+The server logs refusals at debug level only (an unauthenticated peer must not be able to fill
+the log); it counts them (:class:`kvtier.p2p.admission.ServerStats`). The client logs them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import msgpack
 
 from kvtier.errors import HandshakeRefused, ProtocolError
 from kvtier.p2p.channel import FrameChannel, is_loopback
@@ -35,11 +40,10 @@ from kvtier.p2p.frames import (
     Welcome,
 )
 from kvtier.p2p.layout import LayoutFingerprint
+from kvtier.p2p.sealing import SessionSecrets, Transcript, proofs_match
 from kvtier.p2p.settings import P2PSettings
 
 logger = logging.getLogger(__name__)
-
-_DOMAIN = b"kvtier-p2p/v1\x00"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,25 +69,28 @@ class PeerInfo:
 
     node_id: PeerNodeId
     authenticated: bool
+    """True when the peer proved the shared secret (False: loopback-only mode)."""
 
 
-def proof(secret: bytes, role: bytes, nonce: bytes, node_id: str, fp: LayoutFingerprint) -> bytes:
-    """HMAC-SHA256 binding role, nonce, node id and layout (no reflection between roles)."""
-    msg = b"".join(
-        (_DOMAIN, role, b"\x00", nonce, node_id.encode(), b"\x00", msgpack.packb(fp.to_wire()))
-    )
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+Admit = Callable[[PeerNodeId], str | None]
+"""Called by the server once the client proved itself: a refusal reason, or None to admit."""
 
 
 async def _refuse(channel: FrameChannel, reason: str, side: str) -> HandshakeRefused:
-    logger.warning("p2p %s refused peer %s: %s", side, channel.peer, reason)
+    # The server's refusals are counted by its caller; a log line per refused peer would let
+    # anyone who can connect fill the log.
+    log = logger.debug if side == "server" else logger.warning
+    log("p2p %s refused peer %s: %s", side, channel.peer, reason)
     with contextlib.suppress(ProtocolError):
         await channel.send_frame(Refuse(reason))
     return HandshakeRefused(reason)
 
 
-async def server_handshake(channel: FrameChannel, me: LocalIdentity) -> PeerInfo:
-    """Run the server side; raises HandshakeRefused (after telling the peer) or ProtocolError."""
+async def server_handshake(
+    channel: FrameChannel, me: LocalIdentity, admit: Admit | None = None
+) -> PeerInfo:
+    """Run the server side and seal ``channel``; raises HandshakeRefused (after telling the
+    peer) or ProtocolError."""
     if me.secret is None and not is_loopback(channel.peer):
         raise await _refuse(channel, "no shared secret configured: only loopback peers", "server")
     nonce = secrets.token_bytes(NONCE_BYTES)
@@ -92,34 +99,44 @@ async def server_handshake(channel: FrameChannel, me: LocalIdentity) -> PeerInfo
     )
     frame = await channel.read_frame()
     if isinstance(frame, Refuse):
-        logger.warning("p2p client %s refused us: %s", channel.peer, frame.reason)
+        logger.debug("p2p client %s refused us: %s", channel.peer, frame.reason)
         raise HandshakeRefused(frame.reason)
     if not isinstance(frame, Auth):
-        raise await _refuse(channel, f"expected auth, got {type(frame).__name__}", "server")
+        name = type(frame).__name__ if frame is not None else "end of stream"
+        raise await _refuse(channel, f"expected auth, got {name}", "server")
     if frame.version != PROTOCOL_VERSION:
         reason = f"protocol version {frame.version} != {PROTOCOL_VERSION}"
         raise await _refuse(channel, reason, "server")
     mismatch = me.fingerprint.mismatch(frame.fingerprint)
     if mismatch is not None:
         raise await _refuse(channel, mismatch, "server")
-    server_mac = b""
-    if me.secret is not None:
-        want = proof(me.secret, b"client", nonce, frame.node_id, me.fingerprint)
-        if not frame.mac or not hmac.compare_digest(want, frame.mac):
-            raise await _refuse(channel, "authentication failed", "server")
-        server_mac = proof(me.secret, b"server", frame.nonce, me.node_id, me.fingerprint)
-    await channel.send_frame(Welcome(server_mac))
+    transcript = Transcript(
+        PROTOCOL_VERSION, me.node_id, frame.node_id, me.fingerprint, nonce, frame.nonce
+    )
+    keys = SessionSecrets.derive(me.secret, transcript)
+    if not proofs_match(keys.client_proof, frame.mac):
+        raise await _refuse(channel, "authentication failed", "server")
+    if admit is not None and (busy := admit(frame.node_id)) is not None:
+        raise await _refuse(channel, busy, "server")
+    await channel.send_frame(Welcome(keys.server_proof))
+    channel.seal(keys.server_to_client, keys.client_to_server)
     return PeerInfo(frame.node_id, me.secret is not None)
 
 
-async def client_handshake(channel: FrameChannel, me: LocalIdentity) -> PeerInfo:
-    """Run the client side; raises HandshakeRefused or ProtocolError."""
+async def client_handshake(
+    channel: FrameChannel, me: LocalIdentity, expected_node_id: str | None = None
+) -> PeerInfo:
+    """Run the client side and seal ``channel``; raises HandshakeRefused or ProtocolError.
+
+    ``expected_node_id``: the producer this client was sent to; any other node is refused.
+    """
     frame = await channel.read_frame()
     if isinstance(frame, Refuse):
         logger.warning("p2p server %s refused us: %s", channel.peer, frame.reason)
         raise HandshakeRefused(frame.reason)
     if not isinstance(frame, Hello):
-        raise await _refuse(channel, f"expected hello, got {type(frame).__name__}", "client")
+        name = type(frame).__name__ if frame is not None else "end of stream"
+        raise await _refuse(channel, f"expected hello, got {name}", "client")
     if frame.version != PROTOCOL_VERSION:
         reason = f"protocol version {frame.version} != {PROTOCOL_VERSION}"
         raise await _refuse(channel, reason, "client")
@@ -134,20 +151,26 @@ async def client_handshake(channel: FrameChannel, me: LocalIdentity) -> PeerInfo
     if me.secret is None and frame.auth:
         reason = "server requires the shared secret; none is configured here"
         raise await _refuse(channel, reason, "client")
+    if expected_node_id is not None and frame.node_id != expected_node_id:
+        reason = f"peer is node {frame.node_id!r}, not the expected {expected_node_id!r}"
+        raise await _refuse(channel, reason, "client")
     my_nonce = secrets.token_bytes(NONCE_BYTES)
-    mac = b""
-    if me.secret is not None:
-        mac = proof(me.secret, b"client", frame.nonce, me.node_id, me.fingerprint)
-    await channel.send_frame(Auth(PROTOCOL_VERSION, me.node_id, me.fingerprint, my_nonce, mac))
+    transcript = Transcript(
+        PROTOCOL_VERSION, frame.node_id, me.node_id, me.fingerprint, frame.nonce, my_nonce
+    )
+    keys = SessionSecrets.derive(me.secret, transcript)
+    await channel.send_frame(
+        Auth(PROTOCOL_VERSION, me.node_id, me.fingerprint, my_nonce, keys.client_proof)
+    )
     answer = await channel.read_frame()
     if isinstance(answer, Refuse):
         logger.warning("p2p server %s refused us: %s", channel.peer, answer.reason)
         raise HandshakeRefused(answer.reason)
     if not isinstance(answer, Welcome):
-        raise ProtocolError(f"expected welcome, got {type(answer).__name__}")
-    if me.secret is not None:
-        want = proof(me.secret, b"server", my_nonce, frame.node_id, me.fingerprint)
-        if not hmac.compare_digest(want, answer.mac):
-            logger.warning("p2p server %s failed to prove the shared secret", channel.peer)
-            raise HandshakeRefused("server failed authentication")
+        name = type(answer).__name__ if answer is not None else "end of stream"
+        raise ProtocolError(f"expected welcome, got {name}")
+    if not proofs_match(keys.server_proof, answer.mac):
+        logger.warning("p2p server %s failed to prove the shared secret", channel.peer)
+        raise HandshakeRefused("server failed authentication")
+    channel.seal(keys.client_to_server, keys.server_to_client)
     return PeerInfo(frame.node_id, me.secret is not None)

@@ -9,16 +9,23 @@ Use inside the worker's asyncio loop::
     await server.stop()           # closes the listener and every session; releases all supply
                                   # and closes the registry (a restarted server needs a new one)
 
-One listening port per worker. Each connection: handshake (bounded by ``handshake_timeout_s``),
-then a reader that accepts ``fetch``/``done``/``release`` and a sender that serves fetches in
-order, one block at a time, each as soon as it is readable. A key that cannot be served ends the
-fetch with one ``fail`` frame naming it and every later key (the consumer's usable prefix ends
-there anyway). Malformed input closes that connection only, with a logged reason; kv_request_ids
-fetched on a connection that goes away without ``done`` are released. Every wait is bounded:
-handshake, idle session, demand per key (``demand_wait_s`` while the producer runs; none once it
+One listening port per worker. Who may connect and what they can make it do is the threat model
+in :mod:`kvtier.p2p`; in short: anyone may open a connection, and until it proves the shared
+secret it gets a bounded handshake and nothing else (:mod:`kvtier.p2p.admission`: per-peer rate
+limit, pending-handshake caps, frames of a few KiB, ``handshake_timeout_s``); refusals are
+counted (:meth:`P2PServer.stats`), not logged one by one. ``max_connections`` bounds the
+authenticated sessions.
+
+Each session: a reader that accepts ``fetch``/``done``/``release`` and a sender that serves
+fetches in order, one block at a time, each as soon as it is readable. A key that cannot be
+served ends the fetch with one ``fail`` frame naming it and every later key (the consumer's
+usable prefix ends there anyway). Every frame after the handshake, both ways, and every block
+payload carries a MAC under the session key (:mod:`kvtier.p2p.sealing`). Malformed or
+unauthenticated input closes that session only, with a logged reason; kv_request_ids fetched on
+a connection that goes away without ``done`` are released. Every wait is bounded: handshake,
+idle session, demand per key (``demand_wait_s`` while the producer runs; none once it
 finished), and one fetch as a whole (``max_fetch_s``, which also cuts off a consumer that stops
-reading). With ``precompute_checksums`` each supplied page is hashed on a helper thread as it is
-registered, so sends do not wait for the hash.
+reading).
 """
 
 from __future__ import annotations
@@ -27,19 +34,19 @@ import asyncio
 import contextlib
 import logging
 import socket
-from concurrent.futures import ThreadPoolExecutor
 
-from kvtier.errors import HandshakeRefused, ProtocolError
+from kvtier.errors import HandshakeRefused, IntegrityError, ProtocolError
 from kvtier.keys import OffloadKey
+from kvtier.p2p.admission import HandshakeAdmission, ServerCounters, ServerStats
 from kvtier.p2p.channel import FrameChannel, PeerClosed, tune_socket
 from kvtier.p2p.frames import (
     MAX_REASON_CHARS,
-    BlockHeader,
     Done,
     Fail,
     Fetch,
     Frame,
     KvRequestId,
+    PeerNodeId,
     Release,
 )
 from kvtier.p2p.handshake import LocalIdentity, PeerInfo, server_handshake
@@ -66,15 +73,32 @@ class P2PServer:
         self._accept_task: asyncio.Task[None] | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._channels: set[FrameChannel] = set()
-        self._hasher: ThreadPoolExecutor | None = None
+        self._sessions = 0
+        self._admission = HandshakeAdmission(
+            rate_per_s=settings.handshake_rate_per_s,
+            burst=settings.handshake_burst,
+            max_pending=settings.max_pending_handshakes,
+            max_pending_per_peer=settings.max_pending_handshakes_per_peer,
+        )
+        self._counters = ServerCounters()
         self.port = 0
-        self.connections_total = 0
-        self.refused_total = 0
-        self.protocol_errors_total = 0
 
     @property
     def active_connections(self) -> int:
+        """Open connections, authenticated or still in their handshake."""
         return len(self._channels)
+
+    @property
+    def refused_total(self) -> int:
+        return self._counters.refused_total
+
+    @property
+    def protocol_errors_total(self) -> int:
+        return self._counters.protocol_errors_total
+
+    def stats(self) -> ServerStats:
+        """Connection counters (for metrics): sessions, handshakes, refusals by kind."""
+        return self._counters.snapshot(self._admission.pending_total, self._sessions)
 
     async def start(self) -> None:
         if self._listener is not None:
@@ -97,9 +121,6 @@ class P2PServer:
             raise
         self._listener = listener
         self.port = int(listener.getsockname()[1])
-        if self.settings.precompute_checksums:
-            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="p2p-checksum")
-            self.registry.set_checksum_executor(self._hasher)
         self._accept_task = asyncio.create_task(self._accept_loop(listener))
         self._lease_task = asyncio.create_task(self._lease_loop())
         logger.info(
@@ -123,30 +144,27 @@ class P2PServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._hasher is not None:
-            self.registry.set_checksum_executor(None)
-            await asyncio.to_thread(self._hasher.shutdown, True, cancel_futures=True)
-            self._hasher = None
         self.registry.close()
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, _ = await loop.sock_accept(listener)
+                sock, address = await loop.sock_accept(listener)
             except OSError as exc:
                 logger.warning("p2p accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            if len(self._tasks) >= self.settings.max_connections:
-                logger.warning(
-                    "p2p server %s: %d connections open; refusing one more",
-                    self.identity.node_id,
-                    len(self._tasks),
-                )
+            self._counters.accepted_total += 1
+            source = str(address[0]) if isinstance(address, tuple) and address else "?"
+            refusal = self._admission.begin(source)
+            if refusal is not None:
+                # Counted, not logged: a flood must not turn into a log flood.
+                self._counters.throttled_total += 1
+                logger.debug("p2p closing connection from %s on accept: %s", source, refusal)
                 sock.close()
                 continue
-            task = asyncio.create_task(self._connection(sock))
+            task = asyncio.create_task(self._connection(sock, source))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -155,39 +173,68 @@ class P2PServer:
             await asyncio.sleep(self.settings.lease_check_interval_s)
             self.registry.expire()
 
-    async def _connection(self, sock: socket.socket) -> None:
-        self.connections_total += 1
+    async def _connection(self, sock: socket.socket, source: str) -> None:
         try:
             tune_socket(sock, self.settings.socket_buffer_bytes)
             channel = FrameChannel(sock, self.settings.max_frame_bytes)
         except OSError as exc:
             sock.close()
-            logger.warning("p2p connection setup failed: %s", exc)
+            self._admission.end(source, authenticated=False)
+            logger.debug("p2p connection setup failed: %s", exc)
             return
         self._channels.add(channel)
-        owned: set[KvRequestId] = set()
+        slot = _SessionSlot(self)
+        try:
+            peer = await self._handshake(channel, source, slot)
+            if peer is not None:
+                await self._serve_session(channel, peer)
+        finally:
+            slot.release()
+            self._channels.discard(channel)
+            channel.close()
+
+    async def _handshake(
+        self, channel: FrameChannel, source: str, slot: _SessionSlot
+    ) -> PeerInfo | None:
+        """The peer, authenticated and holding ``slot``; None when refused or failed (counted;
+        logged at debug level only: nothing an unauthenticated peer does is logged)."""
+        peer: PeerInfo | None = None
         try:
             async with asyncio.timeout(self.settings.handshake_timeout_s):
-                peer = await server_handshake(channel, self.identity)
-            await self._session(channel, peer, owned)
+                peer = await server_handshake(channel, self.identity, slot.take)
         except HandshakeRefused:
-            self.refused_total += 1
+            self._counters.refused_total += 1
+        except (ProtocolError, TimeoutError, OSError) as exc:
+            self._counters.handshake_failures_total += 1
+            logger.debug("p2p handshake with %s failed: %r", channel.peer, exc)
+        except Exception:  # a bug must cost this connection only, never the server
+            logger.exception("p2p handshake with %s failed", channel.peer)
+        finally:
+            self._admission.end(source, authenticated=peer is not None)
+        if peer is not None:
+            self._counters.authenticated_total += 1
+        return peer
+
+    async def _serve_session(self, channel: FrameChannel, peer: PeerInfo) -> None:
+        owned: set[KvRequestId] = set()
+        try:
+            await self._session(channel, peer, owned)
         except PeerClosed as exc:
-            logger.info("p2p peer %s went away: %s", channel.peer, exc)
+            logger.info("p2p peer %s (%s) went away: %s", peer.node_id, channel.peer, exc)
         except ProtocolError as exc:
-            self.protocol_errors_total += 1
-            logger.warning("p2p closing connection from %s: %s", channel.peer, exc)
+            self._counters.protocol_errors_total += 1
+            if isinstance(exc, IntegrityError):
+                self._counters.integrity_failures_total += 1
+            logger.warning("p2p closing session %s (%s): %s", peer.node_id, channel.peer, exc)
         except TimeoutError:
             logger.warning(
-                "p2p closing connection from %s: handshake, idle or send timeout", channel.peer
+                "p2p closing session %s (%s): idle or send timeout", peer.node_id, channel.peer
             )
         except Exception:  # a bug must cost this connection only, never the server
-            logger.exception("p2p connection from %s failed", channel.peer)
+            logger.exception("p2p session %s (%s) failed", peer.node_id, channel.peer)
         finally:
             for kv_request_id in owned:
                 self.registry.release(kv_request_id, "consumer disconnected")
-            self._channels.discard(channel)
-            channel.close()
 
     async def _session(
         self, channel: FrameChannel, peer: PeerInfo, owned: set[KvRequestId]
@@ -269,10 +316,19 @@ class P2PServer:
                     reason = f"supplied page has {len(hold.view)} bytes, layout says {nbytes}"
                     await self._fail(channel, fetch, fetch.keys[i:], reason)
                     return
-                checksum = await hold.checksum()
-                await channel.send_block(BlockHeader(key, nbytes, checksum), hold.view)
+                await channel.send_block(key, hold.view)
             finally:
                 hold.close()
+
+    def _take_session(self) -> str | None:
+        if self._sessions >= self.settings.max_connections:
+            self._counters.busy_total += 1
+            return f"server busy: {self._sessions} sessions open"
+        self._sessions += 1
+        return None
+
+    def _end_session(self) -> None:
+        self._sessions -= 1
 
     async def _fail(
         self, channel: FrameChannel, fetch: Fetch, keys: tuple[OffloadKey, ...], reason: str
@@ -285,3 +341,25 @@ class P2PServer:
             reason,
         )
         await channel.send_frame(Fail(fetch.kv_request_id, keys, reason[:MAX_REASON_CHARS]))
+
+
+class _SessionSlot:
+    """One connection's claim on ``max_connections``: taken when the peer has proven the
+    secret (before ``welcome``), released once when the connection ends, whichever way."""
+
+    __slots__ = ("_server", "_taken")
+
+    def __init__(self, server: P2PServer) -> None:
+        self._server = server
+        self._taken = False
+
+    def take(self, node_id: PeerNodeId) -> str | None:
+        """A refusal reason when every slot is taken; None when this one is now held."""
+        refusal = self._server._take_session()
+        self._taken = refusal is None
+        return refusal
+
+    def release(self) -> None:
+        if self._taken:
+            self._taken = False
+            self._server._end_session()

@@ -3,7 +3,9 @@
 A session carries one fetch at a time. :class:`SessionPool` hands out an idle session to the
 same producer when one is still alive (not closed by the producer, not idle for more than half
 the producer's idle timeout), else connects and runs the handshake, each step bounded by its
-timeout. Sessions that ended a fetch cleanly go back to the pool (at most
+timeout. When the caller names the producer's node id, an idle session to another node is not
+reused and a new one is refused by the handshake unless the peer proves it is that node.
+Sessions that ended a fetch cleanly go back to the pool (at most
 ``max_sessions_per_peer`` idle per producer); anything else is closed by the caller.
 """
 
@@ -42,19 +44,22 @@ class SessionPool:
         self._closed = False
         self.opened = 0
 
-    async def take(self, peer: Peer) -> Session:
-        """An idle live session to ``peer``, or a new one (raises P2PError, OSError, timeout)."""
+    async def take(self, peer: Peer, expected_node_id: str | None = None) -> Session:
+        """An idle live session to ``peer`` (that node, when named), or a new one (raises
+        P2PError, OSError, timeout)."""
         idle = self._idle.get(peer, [])
         now = time.monotonic()
         while idle:
             session = idle.pop()
-            if now - session.last_used < self.settings.idle_session_s / 2 and _alive(session):
+            fresh = now - session.last_used < self.settings.idle_session_s / 2
+            right_node = expected_node_id is None or session.peer.node_id == expected_node_id
+            if fresh and right_node and _alive(session):
                 session.reused = True
                 return session
             session.channel.close()
-        return await self.connect(peer)
+        return await self.connect(peer, expected_node_id)
 
-    async def connect(self, peer: Peer) -> Session:
+    async def connect(self, peer: Peer, expected_node_id: str | None = None) -> Session:
         """A new session: TCP connect, then the handshake."""
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(peer[0], peer[1], type=socket.SOCK_STREAM)
@@ -70,7 +75,7 @@ class SessionPool:
             raise
         try:
             async with asyncio.timeout(self.settings.handshake_timeout_s):
-                info = await client_handshake(channel, self.identity)
+                info = await client_handshake(channel, self.identity, expected_node_id)
         except BaseException:
             channel.close()
             raise

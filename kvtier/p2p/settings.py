@@ -16,7 +16,11 @@ class P2PSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVTIER_P2P_", frozen=True)
 
     secret: SecretStr | None = None
-    """Shared secret for HMAC authentication. Without one, only loopback peers are accepted."""
+    """Shared secret: peers prove it in the handshake and every later frame and payload is
+    authenticated under a key derived from it. Without one, only loopback peers are accepted."""
+    require_producer_id: bool = False
+    """Consumer: refuse a fetch whose producer node id is unknown (the consumer leg carries no
+    ``remote_engine_id``). Off by default until every proxy forwards the id."""
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
     """Listening port of the producer server (0: pick a free one)."""
@@ -40,10 +44,18 @@ class P2PSettings(BaseSettings):
     max_sessions_per_peer: int = Field(default=8, ge=1)
     """Idle sessions a consumer keeps per producer."""
     max_connections: int = Field(default=256, ge=1)
-    """Connections a producer serves at once; more are closed on accept (and logged)."""
+    """Authenticated sessions a producer serves at once; more are refused at the end of their
+    handshake (and counted)."""
+    max_pending_handshakes: int = Field(default=128, ge=1)
+    """Unauthenticated connections a producer holds at once; more are closed on accept."""
+    max_pending_handshakes_per_peer: int = Field(default=32, ge=1)
+    """Unauthenticated connections from one source address at once."""
+    handshake_rate_per_s: float = Field(default=20.0, gt=0)
+    """Handshake attempts per second and source address (refill of its token bucket)."""
+    handshake_burst: int = Field(default=64, ge=1)
+    """Handshake attempts one source address may make at once (an authenticated handshake
+    gives its token back)."""
     socket_buffer_bytes: int = Field(default=4 << 20, ge=0)
     """SO_SNDBUF / SO_RCVBUF (0 leaves the kernel default)."""
-    precompute_checksums: bool = True
-    """Hash each supplied page on a helper thread as it is registered, off the send path."""
     released_memory: int = Field(default=4096, ge=0)
     """How many released kv_request_ids are remembered so late demand fails at once."""

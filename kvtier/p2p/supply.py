@@ -29,11 +29,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import xxhash
 
 from kvtier.keys import OffloadKey
 from kvtier.p2p.frames import KvRequestId
@@ -57,8 +54,6 @@ class SupplyPage(Protocol):
 class _Key:
     page: SupplyPage | None = None
     failed: str | None = None
-    checksum: int | None = None
-    hash_job: Future[None] | None = None
     senders: int = 0
     dropped: bool = False
 
@@ -85,21 +80,6 @@ class SendHold:
         self.view = view
         self._closed = False
 
-    async def checksum(self) -> int:
-        """xxh3-64 of the payload, computed once per supplied page (outside the registry lock).
-
-        A precomputation still queued is cancelled and done here; one already running is
-        awaited (it is about one page's hash away), so no page is hashed twice.
-        """
-        state = self._state
-        job = state.hash_job
-        if state.checksum is None and job is not None and not job.cancel():
-            with contextlib.suppress(Exception):  # a failed job: hash here instead
-                await asyncio.wrap_future(job)
-        if state.checksum is None:
-            state.checksum = xxhash.xxh3_64_intdigest(self.view)
-        return state.checksum
-
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -112,9 +92,7 @@ class SupplyStats:
     running: int
     held_pages: int
     sending: int
-    """Pages pinned by a send (or a checksum being computed) right now."""
-    hashed: int
-    """Held pages whose checksum is known (computed ahead or by an earlier send)."""
+    """Pages pinned by a send right now."""
 
 
 class SupplyRegistry:
@@ -134,7 +112,6 @@ class SupplyRegistry:
         self._released: OrderedDict[KvRequestId, str] = OrderedDict()
         self._released_memory = released_memory
         self._waiters: dict[KvRequestId, list[_Waiter]] = {}
-        self._executor: Executor | None = None
         self._closed = False
 
     # ---- producer side (any thread) ---------------------------------------------------------
@@ -157,23 +134,18 @@ class SupplyRegistry:
     def supply(self, kv_request_id: KvRequestId, key: OffloadKey, page: SupplyPage) -> bool:
         """Register a readable page for K, taking over the reference. False: not kept (K not
         open, released, or the key is already supplied) and ``page`` was released."""
-        fresh: _Key | None = None
         with self._lock:
             entry = self._requests.get(kv_request_id)
             state = entry.keys.get(key) if entry is not None else None
             if entry is None or (state is not None and state.page is not None):
                 keep = False
             else:
-                fresh = entry.keys[key] = _Key(page=page)
+                entry.keys[key] = _Key(page=page)
                 entry.lease_deadline = max(entry.lease_deadline, self._clock() + self._lease_s)
                 self._wake(kv_request_id)
                 keep = True
-            executor = self._executor
         if not keep:
             page.release()
-        elif executor is not None and fresh is not None:
-            with contextlib.suppress(RuntimeError):  # shutting down: senders hash inline
-                fresh.hash_job = executor.submit(self._precompute_checksum, fresh)
         return keep
 
     def park(self, kv_request_id: KvRequestId, key: OffloadKey) -> None:
@@ -243,14 +215,13 @@ class SupplyRegistry:
 
     def stats(self) -> SupplyStats:
         with self._lock:
-            held = sending = hashed = 0
+            held = sending = 0
             for entry in self._requests.values():
                 for state in entry.keys.values():
                     held += state.page is not None
                     sending += state.senders
-                    hashed += state.page is not None and state.checksum is not None
             running = sum(not e.finished for e in self._requests.values())
-            return SupplyStats(len(self._requests), running, held, sending, hashed)
+            return SupplyStats(len(self._requests), running, held, sending)
 
     def keys_of(self, kv_request_id: KvRequestId) -> list[OffloadKey]:
         """Keys readable now under K (for the producer's answer and for tests)."""
@@ -318,22 +289,6 @@ class SupplyRegistry:
         if state is None and entry.finished:
             return "not in supply (producer request finished)"
         return None
-
-    def set_checksum_executor(self, executor: Executor | None) -> None:
-        """Hash each newly supplied page on ``executor``, off the send path (None: inline)."""
-        with self._lock:
-            self._executor = executor
-
-    def _precompute_checksum(self, state: _Key) -> None:
-        with self._lock:
-            if state.page is None or state.dropped or state.checksum is not None:
-                return
-            state.senders += 1  # pinned while hashed, like a send
-            view = state.page.view()
-        try:
-            state.checksum = xxhash.xxh3_64_intdigest(view)
-        finally:
-            self._end_send(state)
 
     def _end_send(self, state: _Key) -> None:
         page = None

@@ -2,15 +2,18 @@
 
 P2P dialect (kvtier):
 - producer leg ``{"remote_decoder": {"kv_request_id": K}}`` → answer
-  ``{"remote_host", "remote_port", "kv_request_id", "num_blocks"}``;
-- consumer leg ``{"remote_prefiller": {"kv_request_id", "remote_host", "remote_port"}}``.
+  ``{"remote_host", "remote_port", "kv_request_id", "num_blocks", "remote_engine_id"}``;
+- consumer leg ``{"remote_prefiller": {"kv_request_id", "remote_host", "remote_port"}}``, and
+  ``"remote_engine_id"`` from the answer when the proxy passes it on: the consumer then refuses
+  to fetch from any other P2P node.
 
 NIXL-shaped dialect (vLLM NixlConnector, see ``shared/wire``):
 - producer leg ``{"do_remote_decode": true, ...}`` → answer ``{"do_remote_prefill": true,
   "do_remote_decode": false, "remote_engine_id", "remote_request_id", "remote_block_ids",
   "remote_host", "remote_port", "tp_size"}``;
 - consumer leg: that answer, verbatim (extra keys tolerated); the blocks are pulled over kvtier
-  P2P from ``remote_host:remote_port`` under ``remote_request_id``.
+  P2P from ``remote_host:remote_port`` under ``remote_request_id``, from the node named
+  ``remote_engine_id`` (when present).
 
 Anything else that is present but malformed raises :class:`KVTransferParamsError`; the server
 then runs the leg locally and counts it. An id or host longer than :data:`MAX_ID_CHARS` raises
@@ -55,6 +58,8 @@ class ConsumerLeg:
     remote_host: str
     remote_port: int
     num_blocks: int | None = None
+    remote_engine_id: str | None = None
+    """The producer's node id (its P2P identity); None when the leg does not say."""
 
 
 Leg = ProducerLeg | ConsumerLeg
@@ -95,6 +100,10 @@ def _text(value: object, what: str) -> str:
     return value
 
 
+def _optional_text(value: object, what: str) -> str | None:
+    return None if value is None else _text(value, what)
+
+
 def parse_leg(params: Mapping[str, object] | None, nixl_request_id: str) -> Leg | None:
     """The leg ``params`` describe (None: a plain request).
 
@@ -116,6 +125,7 @@ def parse_leg(params: Mapping[str, object] | None, nixl_request_id: str) -> Leg 
             _text(pre.get("kv_request_id"), "kv_request_id"),
             _text(pre.get("remote_host"), "remote_host"),
             _port(pre.get("remote_port"), "remote_port"),
+            remote_engine_id=_optional_text(pre.get("remote_engine_id"), "remote_engine_id"),
         )
     if params.get("do_remote_decode") is True:
         return ProducerLeg(Dialect.NIXL, nixl_request_id)
@@ -128,6 +138,7 @@ def parse_leg(params: Mapping[str, object] | None, nixl_request_id: str) -> Leg 
             _text(params.get("remote_host"), "remote_host"),
             _port(params.get("remote_port"), "remote_port"),
             num_blocks,
+            _optional_text(params.get("remote_engine_id"), "remote_engine_id"),
         )
     if "do_remote_decode" in params or "do_remote_prefill" in params:
         return None  # NIXL fields present, both false: a plain request
@@ -152,6 +163,7 @@ def producer_answer(
             "remote_port": port,
             "kv_request_id": leg.kv_request_id,
             "num_blocks": num_blocks,
+            "remote_engine_id": engine_id,
         }
     return {
         "do_remote_prefill": True,

@@ -9,8 +9,9 @@ are parked) → GPU→host copy → ``complete_store`` → ``on_request_finished
 holds the supply until the consumer says ``done``, anyone releases it, or its lease expires.
 
 Consumer leg (before admission): local GPU prefix hit → the keys the hit up to the prompt's
-load end still needs → :meth:`P2PClient.fetch` (skips keys the host tier holds; verifies key and
-checksum before installing into host pages) → host→GPU copy into fresh device pages, which are
+load end still needs → :meth:`P2PClient.fetch` (skips keys the host tier holds; talks only to
+the producer node the leg names, when it names one; verifies key and MAC under the session key
+before installing into host pages) → host→GPU copy into fresh device pages, which are
 registered in the prefix cache and pinned for the request. Admission then finds them as prefix
 hits; anything missing is simply recomputed (counted).
 """
@@ -245,7 +246,12 @@ class P2PConnector(KVConnector):
             self._inflight[key] = done
         try:
             result = await self.client.fetch(
-                leg.remote_host, leg.remote_port, leg.kv_request_id, wanted, deadline
+                leg.remote_host,
+                leg.remote_port,
+                leg.kv_request_id,
+                wanted,
+                deadline,
+                expected_node_id=leg.remote_engine_id,
             )
         finally:
             for key in mine:
@@ -284,7 +290,13 @@ class P2PConnector(KVConnector):
         deadline = time.monotonic() + self.p2p.connect_timeout_s
 
         async def release() -> None:
-            await client.release(leg.remote_host, leg.remote_port, leg.kv_request_id, deadline)
+            await client.release(
+                leg.remote_host,
+                leg.remote_port,
+                leg.kv_request_id,
+                deadline,
+                expected_node_id=leg.remote_engine_id,
+            )
 
         task = asyncio.create_task(release(), name=f"p2p-release {leg.kv_request_id}")
         self._releases.add(task)
@@ -303,7 +315,13 @@ class P2PConnector(KVConnector):
     async def _finish_remote(self, leg: ConsumerLeg) -> None:
         """Nothing to fetch: tell the producer it may release the supply now."""
         if self.client is not None:
-            await self.client.fetch(leg.remote_host, leg.remote_port, leg.kv_request_id, [])
+            await self.client.fetch(
+                leg.remote_host,
+                leg.remote_port,
+                leg.kv_request_id,
+                [],
+                expected_node_id=leg.remote_engine_id,
+            )
 
     def _on_device(self, hashes: Sequence[BlockHash], group: int, block: int) -> bool:
         return self.kv.pools[group].lookup(hashes[block]) is not None

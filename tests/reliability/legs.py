@@ -19,15 +19,26 @@ class Supply:
     host: str
     port: int
     num_blocks: int
+    engine_id: str | None = None
+    """The producer's node id (``remote_engine_id`` of its answer)."""
 
-    def consumer_params(self, *, port: int | None = None, kv_request_id: str | None = None) -> Any:
-        return {
-            "remote_prefiller": {
-                "kv_request_id": kv_request_id or self.kv_request_id,
-                "remote_host": self.host,
-                "remote_port": port or self.port,
-            }
+    def consumer_params(
+        self,
+        *,
+        port: int | None = None,
+        kv_request_id: str | None = None,
+        engine_id: str | None = None,
+    ) -> Any:
+        """``remote_prefiller`` as the proxy builds it; ``engine_id`` adds ``remote_engine_id``
+        (the producer the consumer must find at that address)."""
+        prefiller: dict[str, Any] = {
+            "kv_request_id": kv_request_id or self.kv_request_id,
+            "remote_host": self.host,
+            "remote_port": port or self.port,
         }
+        if engine_id is not None:
+            prefiller["remote_engine_id"] = engine_id
+        return {"remote_prefiller": prefiller}
 
 
 async def producer_leg(
@@ -41,7 +52,11 @@ async def producer_leg(
     assert resp.status_code == 200, resp.text
     answer = resp.json()["kv_transfer_params"]
     return Supply(
-        answer["kv_request_id"], answer["remote_host"], answer["remote_port"], answer["num_blocks"]
+        answer["kv_request_id"],
+        answer["remote_host"],
+        answer["remote_port"],
+        answer["num_blocks"],
+        answer.get("remote_engine_id"),
     )
 
 

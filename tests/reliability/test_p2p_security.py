@@ -2,7 +2,14 @@
 
 - a consumer that does not know the shared secret (unauthenticated peer),
 - a replayed handshake (a captured ``auth`` frame sent again on a fresh connection),
-- a correctly authenticated peer that guesses a ``kv_request_id``.
+- a correctly authenticated peer that guesses a ``kv_request_id``;
+
+and a consumer is never poisoned by
+
+- an attacker it was made to connect to, who relays the handshake to the real producer and then
+  forges or flips page bytes (issue 15's relay attack: the forged pages used to be installed in
+  the consumer's shared prefix cache, and a later request with that prefix answered differently);
+- a producer address that leads to another node than the one that answered the producer leg.
 
 Each refusal is checked against a control that *is* served (same supply, same keys, legitimate
 peer), so the test fails if the producer serves the attacker or stops serving anyone.
@@ -23,6 +30,8 @@ from pydantic import SecretStr
 from kvtier.keys import OffloadKey
 from kvtier.p2p import LocalIdentity, P2PClient, P2PSettings, PeerNodeId
 from kvtier.p2p.frames import Auth, Fetch, decode_frame, encode_frame
+from kvtier.p2p.sealing import TAG_BYTES
+from tests.kvtier.p2p.attacker import RelayAttacker
 
 from .faults import TcpRelay, replay_bytes
 from .legs import completion, counter, metrics, producer_leg
@@ -89,7 +98,10 @@ def _split_recording(recorded: bytes) -> tuple[Auth, Fetch]:
     pos = 0
     while pos + 4 <= len(recorded) and (auth is None or fetch is None):
         (length,) = struct.unpack_from(">I", recorded, pos)
-        frame = decode_frame(recorded[pos + 4 : pos + 4 + length])
+        # After auth every frame is sealed: its last TAG_BYTES are the MAC (a relay reads the
+        # plaintext body all the same).
+        end = pos + 4 + length - (TAG_BYTES if auth is not None else 0)
+        frame = decode_frame(recorded[pos + 4 : end])
         if isinstance(frame, Auth) and auth is None:
             auth = frame
         elif isinstance(frame, Fetch) and fetch is None and frame.keys:
@@ -180,3 +192,80 @@ async def test_p2p_nothing_served_to_strangers(procs: ProcessGroup, tally: Tally
         held = {g: gauges[g] for g in ZERO_GAUGES if gauges.get(g, 0.0)}
         tally.leaks.extend(f"producer {k}={v:.0f}" for k, v in held.items())
         assert not held, held
+
+
+async def test_p2p_relay_attack_cannot_poison_the_prefix_cache(
+    procs: ProcessGroup, tally: Tally
+) -> None:
+    common = {"model": "sim", "secret": _SECRET, "wait": False}
+    producer = procs.worker("p2p-producer", role="producer", **common)  # type: ignore[arg-type]
+    consumer = procs.worker("p2p-consumer", role="consumer", **common)  # type: ignore[arg-type]
+    for w in (producer, consumer):
+        w.wait_healthy()
+    async with httpx.AsyncClient(timeout=60) as client:
+        for n, mode in enumerate(("forge", "flip")):
+            body = {
+                "prompt": f"{n}: tenant A's confidential prefix; " + _PROMPT,
+                "max_tokens": 6,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
+            solo = await completion(client, producer.url, body)
+            supply = await producer_leg(client, producer.url, body)
+            async with RelayAttacker(producer.p2p_port, mode) as attacker:
+                answer = await completion(
+                    client, consumer.url, body, supply.consumer_params(port=attacker.port)
+                )
+                assert attacker.handshakes_relayed >= 1 and attacker.payloads_tampered >= 1
+            m = await metrics(client, consumer.url)
+            assert counter(m, "p2p_blocks_fetched") == 0 and counter(m, "p2p_bytes_fetched") == 0
+            assert counter(m, "p2p_fetch_failures") == n + 1
+            # The consumer recomputed: the right answer, and its prefix cache holds its own KV.
+            assert answer["choices"][0]["token_ids"] == solo["choices"][0]["token_ids"]
+            later = await completion(client, consumer.url, body)  # another tenant, same prefix
+            assert later["choices"][0]["token_ids"] == solo["choices"][0]["token_ids"]
+            tally.ok(fallback=True)
+
+        # Control: the same relay, changing nothing, delivers the pages (and the same answer).
+        body = {"prompt": "2: " + _PROMPT, "max_tokens": 6, "temperature": 0}
+        body["return_token_ids"] = True
+        solo = await completion(client, producer.url, body)
+        supply = await producer_leg(client, producer.url, body)
+        async with RelayAttacker(producer.p2p_port, "relay") as relay:
+            served = await completion(
+                client, consumer.url, body, supply.consumer_params(port=relay.port)
+            )
+        m = await metrics(client, consumer.url)
+        assert counter(m, "p2p_blocks_fetched") > 0
+        assert served["choices"][0]["token_ids"] == solo["choices"][0]["token_ids"]
+        tally.ok()
+
+
+async def test_p2p_consumer_fetches_only_from_the_named_producer(
+    procs: ProcessGroup, tally: Tally
+) -> None:
+    common = {"model": "sim", "secret": _SECRET, "wait": False}
+    producer = procs.worker("p2p-producer", role="producer", **common)  # type: ignore[arg-type]
+    consumer = procs.worker("p2p-consumer", role="consumer", **common)  # type: ignore[arg-type]
+    for w in (producer, consumer):
+        w.wait_healthy()
+    body = {"prompt": _PROMPT, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    async with httpx.AsyncClient(timeout=60) as client:
+        solo = await completion(client, producer.url, body)
+        supply = await producer_leg(client, producer.url, body)
+        assert supply.engine_id, "the producer's answer names its node"
+        wrong = supply.consumer_params(engine_id="some-other-producer")
+        answer = await completion(client, consumer.url, body, wrong)
+        m = await metrics(client, consumer.url)
+        assert counter(m, "p2p_blocks_fetched") == 0 and counter(m, "p2p_fetch_failures") == 1
+        assert answer["choices"][0]["token_ids"] == solo["choices"][0]["token_ids"]
+        tally.ok(fallback=True)
+        other = {**body, "prompt": "named: " + _PROMPT}
+        solo = await completion(client, producer.url, other)
+        supply = await producer_leg(client, producer.url, other)
+        right = supply.consumer_params(engine_id=supply.engine_id)
+        answer = await completion(client, consumer.url, other, right)
+        m = await metrics(client, consumer.url)
+        assert counter(m, "p2p_blocks_fetched") > 0, "the named producer was not served"
+        assert answer["choices"][0]["token_ids"] == solo["choices"][0]["token_ids"]
+        tally.ok()

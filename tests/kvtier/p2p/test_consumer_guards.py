@@ -8,8 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
-import xxhash
 
+from kvtier.keys import OffloadKey
 from kvtier.p2p.channel import FrameChannel, tune_socket
 from kvtier.p2p.client import FetchResult
 from kvtier.p2p.frames import LENGTH_PREFIX, BlockHeader, Done, Fail, Fetch, PeerNodeId
@@ -29,12 +29,15 @@ from .conftest import (
 Script = Callable[[FrameChannel, Fetch], Awaitable[None]]
 
 
-async def good_block(channel: FrameChannel, key: bytes) -> None:
-    data = payload(key)
-    await channel.send_block(
-        BlockHeader(key, len(data), xxhash.xxh3_64_intdigest(data)),  # type: ignore[arg-type]
-        memoryview(data),
-    )
+async def good_block(channel: FrameChannel, key: OffloadKey) -> None:
+    await channel.send_block(key, memoryview(payload(key)))
+
+
+async def forged_block(channel: FrameChannel, header: BlockHeader, data: bytes) -> None:
+    """A block whose header says what the test wants (its own MAC is valid: this producer holds
+    the session key); the payload goes out raw, after it."""
+    await channel.send_frame(header)
+    await asyncio.get_running_loop().sock_sendall(channel.sock, data)
 
 
 async def run_against(script: Script, n: int = 4) -> tuple[Pair, FetchResult]:
@@ -73,26 +76,23 @@ async def run_against(script: Script, n: int = 4) -> tuple[Pair, FetchResult]:
     return pair, result
 
 
-async def test_wrong_checksum_is_not_installed() -> None:
+async def test_payload_with_a_wrong_mac_is_not_installed() -> None:
     async def script(channel: FrameChannel, fetch: Fetch) -> None:
         await good_block(channel, fetch.keys[0])
-        data = payload(fetch.keys[1])
-        await channel.send_block(
-            BlockHeader(fetch.keys[1], PAGE, xxhash.xxh3_64_intdigest(data) ^ 1), memoryview(data)
+        await forged_block(
+            channel, BlockHeader(fetch.keys[1], PAGE, b"\x01" * 16), payload(fetch.keys[1])
         )
-        for key in fetch.keys[2:]:
-            await good_block(channel, key)
 
     pair, result = await run_against(script)
-    assert result.usable == 1 and "checksum" in (result.reason or "")
+    assert result.usable == 1 and "block payload failed authentication" in (result.reason or "")
     assert pair.consumer_pool.stats().readable == 1
     pair.assert_baseline()
 
 
 async def _corrupt_header(channel: FrameChannel, fetch: Fetch, **change: object) -> None:
     await good_block(channel, fetch.keys[0])
-    fields = {"key": fetch.keys[1], "nbytes": PAGE, "checksum": 0} | change
-    await channel.send_block(BlockHeader(**fields), memoryview(bytes(PAGE)))  # type: ignore[arg-type]
+    fields = {"key": fetch.keys[1], "nbytes": PAGE, "mac": bytes(16)} | change
+    await forged_block(channel, BlockHeader(**fields), bytes(PAGE))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -115,9 +115,7 @@ async def test_truncated_payload() -> None:
     async def script(channel: FrameChannel, fetch: Fetch) -> None:
         await good_block(channel, fetch.keys[0])
         data = payload(fetch.keys[1])
-        await channel.send_frame(BlockHeader(fetch.keys[1], PAGE, xxhash.xxh3_64_intdigest(data)))
-        await channel.sock_send_for_test(data[: PAGE // 3]) if False else None
-        await asyncio.get_running_loop().sock_sendall(channel.sock, data[: PAGE // 3])
+        await forged_block(channel, BlockHeader(fetch.keys[1], PAGE, bytes(16)), data[: PAGE // 3])
 
     pair, result = await run_against(script)
     assert result.usable == 1 and result.reason is not None

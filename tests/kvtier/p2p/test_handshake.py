@@ -12,7 +12,15 @@ import pytest
 from kvtier.errors import HandshakeRefused
 from kvtier.keys import OffloadKey
 from kvtier.p2p.channel import FrameChannel, is_loopback, tune_socket
-from kvtier.p2p.frames import NONCE_BYTES, Auth, Hello, PeerNodeId, Refuse, Welcome
+from kvtier.p2p.frames import (
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    Auth,
+    Hello,
+    PeerNodeId,
+    Refuse,
+    Welcome,
+)
 from kvtier.p2p.handshake import LocalIdentity, client_handshake
 
 from .conftest import (
@@ -121,7 +129,9 @@ async def test_version_mismatch_is_refused(pair: Pair) -> None:
     try:
         hello = await channel.read_frame()
         assert isinstance(hello, Hello) and not hello.auth
-        await channel.send_frame(Auth(99, PeerNodeId("x"), FINGERPRINT, b"\x00" * NONCE_BYTES, b""))
+        await channel.send_frame(
+            Auth(99, PeerNodeId("x"), FINGERPRINT, b"\x00" * NONCE_BYTES, b"\x00" * 32)
+        )
         answer = await channel.read_frame()
         assert isinstance(answer, Refuse) and "protocol version 99" in answer.reason
         assert await channel.read_frame() is None  # and the server closed
@@ -143,7 +153,9 @@ async def test_server_proof_is_checked_by_the_client() -> None:
         channel = FrameChannel(sock, 1 << 20)
         try:
             nonce = b"\x01" * NONCE_BYTES
-            await channel.send_frame(Hello(1, PeerNodeId("evil"), FINGERPRINT, nonce, True))
+            await channel.send_frame(
+                Hello(PROTOCOL_VERSION, PeerNodeId("evil"), FINGERPRINT, nonce, True)
+            )
             await channel.read_frame()
             await channel.send_frame(Welcome(b"\x00" * 32))
             await channel.read_frame()

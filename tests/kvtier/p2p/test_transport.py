@@ -323,15 +323,19 @@ async def test_key_of_a_group_the_layout_lacks_closes_the_connection(pair: Pair)
     assert pair.server.protocol_errors_total == 1
 
 
-async def test_connection_limit() -> None:
+async def test_connection_limit_counts_authenticated_sessions() -> None:
     pair = await make_pair(settings(max_connections=1))
     try:
         first = await raw_session(pair.port)
         try:
-            with pytest.raises(HandshakeRefused, match="expected hello"):  # closed on accept
+            with pytest.raises(HandshakeRefused, match="server busy: 1 sessions open"):
                 await raw_session(pair.port)
+            assert pair.server.stats().busy_total == 1
         finally:
             first.close()
+        await wait_until(lambda: pair.server.stats().sessions == 0)
+        second = await raw_session(pair.port)  # the slot is free again
+        second.close()
     finally:
         await pair.client.close()
         await pair.server.stop()
@@ -351,26 +355,6 @@ async def test_session_closed_by_an_idle_producer_is_replaced() -> None:
             assert (await pair.fetch(k, keys)).complete
             await wait_until(lambda: pair.server.active_connections == 0, timeout=3.0)
         assert pair.client.sessions_opened == 2
-        await settle(pair)
-    finally:
-        await pair.client.close()
-        await pair.server.stop()
-
-
-async def test_without_precomputed_checksums() -> None:
-    pair = await make_pair(settings(precompute_checksums=False))
-    try:
-        k, keys = rid(400), make_keys(6)
-        ctx = producer_ctx(k)
-        pair.tier.on_new_request(ctx)
-        for key in keys:
-            write_page(pair.producer_pool, key)
-        pair.tier.submit_store(keys, ctx)
-        pair.tier.on_request_finished(ctx)
-        assert pair.registry.stats().hashed == 0
-        result = await pair.fetch(k, keys)
-        assert result.complete
-        assert_installed(pair, result)
         await settle(pair)
     finally:
         await pair.client.close()

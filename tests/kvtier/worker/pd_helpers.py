@@ -54,12 +54,19 @@ async def pd_request(
     answer = produced["kv_transfer_params"]
     assert answer is not None
     if dialect == "p2p":
-        assert set(answer) == {"remote_host", "remote_port", "kv_request_id", "num_blocks"}
+        assert set(answer) == {
+            "remote_host",
+            "remote_port",
+            "kv_request_id",
+            "num_blocks",
+            "remote_engine_id",
+        }
         consumer_params: dict[str, Any] = {
             "remote_prefiller": {
                 "kv_request_id": answer["kv_request_id"],
                 "remote_host": answer["remote_host"],
                 "remote_port": answer["remote_port"],
+                "remote_engine_id": answer["remote_engine_id"],
             }
         }
     else:

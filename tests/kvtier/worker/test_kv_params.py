@@ -28,6 +28,13 @@ def test_p2p_dialect() -> None:
         {"remote_prefiller": {"kv_request_id": "K", "remote_host": "h", "remote_port": 5600}}, "n"
     )
     assert leg == ConsumerLeg(Dialect.P2P, "K", "h", 5600)
+    pinned = {"kv_request_id": "K", "remote_host": "h", "remote_port": 5600}
+    pinned["remote_engine_id"] = "producer-7"
+    assert parse_leg({"remote_prefiller": pinned}, "n") == ConsumerLeg(
+        Dialect.P2P, "K", "h", 5600, remote_engine_id="producer-7"
+    )
+    with pytest.raises(KVTransferParamsError, match="remote_engine_id"):
+        parse_leg({"remote_prefiller": {**pinned, "remote_engine_id": 7}}, "n")
     answer = producer_answer(
         ProducerLeg(Dialect.P2P, "K"),
         host="h",
@@ -36,7 +43,13 @@ def test_p2p_dialect() -> None:
         block_ids=[7, 8, 9],
         engine_id="e",
     )
-    assert answer == {"remote_host": "h", "remote_port": 1, "kv_request_id": "K", "num_blocks": 3}
+    assert answer == {
+        "remote_host": "h",
+        "remote_port": 1,
+        "kv_request_id": "K",
+        "num_blocks": 3,
+        "remote_engine_id": "e",
+    }
 
 
 def test_nixl_dialect_round_trip() -> None:
@@ -67,7 +80,7 @@ def test_nixl_dialect_round_trip() -> None:
         "tp_size": 1,
     }
     consumer = parse_leg({**answer, "engine_version_extra": 1}, "unused")
-    assert consumer == ConsumerLeg(Dialect.NIXL, "cmpl-x-0", "127.0.0.1", 5600, 2)
+    assert consumer == ConsumerLeg(Dialect.NIXL, "cmpl-x-0", "127.0.0.1", 5600, 2, "engine-P")
 
 
 def _wire_params() -> list[dict[str, Any]]:
