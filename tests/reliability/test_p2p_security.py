@@ -154,6 +154,9 @@ async def test_p2p_nothing_served_to_strangers(procs: ProcessGroup, tally: Tally
         types = [f.get("type") for f in _frames(received)]
         assert types[:1] == ["hello"] and "block" not in types, types
         assert "refuse" in types, f"replayed handshake not refused: {types}"
+        # Both refusals are visible to the operator on the producer's /metrics (never logged).
+        m = await metrics(client, producer.url)
+        assert counter(m, "p2p_server_refused") >= 2, m
         tally.ok()
 
         # 4. Authenticated peer, guessed kv_request_id: nothing; the right id: served (control).

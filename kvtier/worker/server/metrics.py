@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from kvtier.p2p.admission import ServerStats
 from kvtier.worker.p2p_connector import P2PConnector
 from kvtier.worker.worker import Worker
 
@@ -113,6 +114,33 @@ class WorkerCollector(Collector):
             "Requests the tiering manager tracks",
             conn.manager.stats().requests,
         )
+        if conn.server is not None:
+            yield from _p2p_server_metrics(conn.server.stats())
+
+
+_P2P_SERVER_GAUGES = {
+    "handshakes": "P2P connections open now that have not authenticated yet",
+    "sessions": "Authenticated P2P sessions open now",
+}
+_P2P_SERVER_COUNTERS = {
+    "accepted": "P2P connections accepted",
+    "authenticated": "P2P handshakes that authenticated",
+    "refused": "P2P handshakes refused (version, fingerprint, proof, loopback-only, busy)",
+    "busy": "Authenticated P2P peers refused because max_connections sessions were open",
+    "throttled": "P2P connections closed on accept by the per-peer rate limit or pending caps",
+    "handshake_failures": "P2P handshakes that timed out, sent a malformed frame or hung up",
+    "protocol_errors": "Authenticated P2P sessions closed for a malformed or unexpected frame",
+    "integrity_failures": "P2P frames or blocks whose MAC did not verify",
+}
+
+
+def _p2p_server_metrics(stats: ServerStats) -> Iterator[Metric]:
+    """The producer's P2P listener: refusals are counted here, never logged per connection."""
+    prefix = "kvtier_worker_p2p_server_"
+    for name, doc in _P2P_SERVER_GAUGES.items():
+        yield GaugeMetricFamily(prefix + name, doc, getattr(stats, name))
+    for name, doc in _P2P_SERVER_COUNTERS.items():
+        yield CounterMetricFamily(prefix + name, doc, value=getattr(stats, name + "_total"))
 
 
 def worker_registry(worker: Worker) -> CollectorRegistry:
