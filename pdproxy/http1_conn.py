@@ -1,0 +1,283 @@
+"""One upstream HTTP/1.1 connection: an asyncio protocol reading responses with httptools.
+
+The upstream is not trusted to frame its answers honestly. A connection moves through
+
+    IDLE --start()--> HEAD --final head--> BODY --message complete / EOF--> DONE --release--> IDLE
+
+and every byte is checked against that state:
+
+- HEAD skips interim responses (100, 103, ... any number of them, each with headers); the final
+  response is the first non-1xx one. ``101 Switching Protocols`` is refused: the proxy never
+  asks for an upgrade. httpcore and aiohttp skip 1xx the same way (both return 101 to their
+  caller instead; nothing here could use it).
+- Bytes (or EOF) that arrive while IDLE, or after the final response is complete, were asked
+  for by nobody: the connection is closed at once and never reused, so they cannot be taken as
+  the answer to the next client's request. httpcore treats an idle socket that turns readable as
+  expired; aiohttp closes a connection with unparsed tail bytes instead of pooling it.
+- The head is capped in bytes (interim heads included, so an endless run of ``100 Continue`` is
+  bounded too) and in fields per head, like h11's 16 KiB incomplete-event cap and aiohttp's
+  ``max_field_size``/``max_headers``; trailers of a chunked body get the same caps.
+- A response with neither ``content-length`` nor chunked framing is read until the server
+  closes (a clean EOF ends it; a reset is an error), and its connection is not reused.
+- Repeated header fields are joined with ", " (RFC 9110 §5.3) rather than the last one winning;
+  no field the proxy reads (content-type, retry-after) is legitimately repeated, and nothing is
+  lost silently.
+
+HEAD requests are not supported: the parser cannot know that their answer has no body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Final, cast
+
+import httptools
+
+from pdproxy.errors import HttpClientError, ResponseHeadTooLarge
+from pdproxy.settings import UpstreamSettings
+
+log = logging.getLogger(__name__)
+
+MAX_BUFFERED: Final = 256 * 1024
+"""Unread body bytes past which reading from the socket pauses (flow control)."""
+
+IDLE: Final = 0
+HEAD: Final = 1
+BODY: Final = 2
+DONE: Final = 3
+
+
+class _Unsolicited(Exception):
+    """Raised inside a parser callback: a second message began after the final response."""
+
+
+class Conn(asyncio.Protocol):
+    """One connection; carries one request at a time. Owned by a pool or by one Response."""
+
+    def __init__(self, limits: UpstreamSettings, label: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._label = label
+        self._max_head_bytes = limits.max_head_bytes
+        self._max_fields = limits.max_header_fields
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self.state = IDLE
+        self._head: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._error: HttpClientError | None = None
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.trailers: dict[str, str] = {}
+        self._fields = 0
+        self._field_bytes = 0
+        self._head_bytes = 0
+        self._framed = False
+        self.keep_alive = False
+        self.closed = False
+        self.nothing_received = True
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        state = self.state
+        if state in (IDLE, DONE):
+            self._unsolicited(len(data))
+            return
+        self.nothing_received = False
+        if state == HEAD:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Unsolicited):
+                self._unsolicited(0)
+            elif isinstance(cause, HttpClientError):
+                self._fail(cause)
+                return
+            else:
+                self._fail(HttpClientError(f"response handling failed: {cause!r}"))
+                return
+        except httptools.HttpParserError as exc:
+            if self.state == DONE:
+                self._unsolicited(0)  # garbage after a complete response
+            else:
+                self._fail(HttpClientError(f"invalid HTTP response: {exc}"))
+                return
+        except httptools.HttpParserUpgrade:
+            self._fail(HttpClientError("unexpected protocol upgrade"))
+            return
+        if self.state == HEAD and self._head_bytes > self._max_head_bytes:
+            # A head still incomplete past the cap: a huge line, many fields or endless 1xx.
+            self._fail(ResponseHeadTooLarge(f"response head exceeds {self._max_head_bytes} bytes"))
+            return
+        # Once per read, not per body chunk: wake the reader, apply flow control.
+        if self._chunks or self.state == DONE:
+            if self._buffered > MAX_BUFFERED and not self._paused and self.transport is not None:
+                self._paused = True
+                self.transport.pause_reading()
+            self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        state = self.state
+        if state == BODY and not self._framed and exc is None and self._error is None:
+            # A close-delimited body: the server's clean close is its end.
+            self.state = DONE
+            self.keep_alive = False
+            self._wake()
+        elif state in (HEAD, BODY):
+            self._fail(HttpClientError(f"connection closed early: {exc!r}"))
+
+    # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self.state == DONE:
+            raise _Unsolicited
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields += 1
+        self._field_bytes += len(name) + len(value) + 4
+        if self._fields > self._max_fields:
+            raise ResponseHeadTooLarge(f"more than {self._max_fields} response header fields")
+        if self._field_bytes > self._max_head_bytes:
+            raise ResponseHeadTooLarge(f"response head exceeds {self._max_head_bytes} bytes")
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        # Fields after the head are trailers of a chunked body.
+        fields = self.headers if self.state == HEAD else self.trailers
+        previous = fields.get(key)
+        fields[key] = text if previous is None else f"{previous}, {text}"
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        self._fields = 0
+        if status < 200:
+            if status == 101:
+                raise HttpClientError("upstream switched protocols (101) unasked")
+            # Interim response: forget it; its bytes still count against the head cap.
+            self.headers = {}
+            return
+        self._field_bytes = 0  # trailers get a budget of their own
+        self.status = status
+        self.keep_alive = self._parser.should_keep_alive()
+        headers = self.headers
+        self._framed = "content-length" in headers or headers.get(
+            "transfer-encoding", ""
+        ).lower().endswith("chunked")
+        self.state = BODY
+        if self._head is not None and not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.state == BODY:  # an interim response's end changes nothing
+            self.state = DONE
+
+    # -- internals
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _unsolicited(self, nbytes: int) -> None:
+        """Bytes nobody asked for: this connection can no longer be trusted to frame answers."""
+        if not self.closed:
+            log.warning(
+                "upstream %s sent %s unsolicited bytes; connection closed, not reused",
+                self._label,
+                nbytes or "some",
+            )
+        self.abort()
+
+    def _fail(self, exc: HttpClientError) -> None:
+        if self._error is None:
+            self._error = exc
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(exc)
+            self._head.exception()  # retrieved: the awaiting request re-raises it
+        self._wake()
+        self.abort()
+
+    # -- used by the pool and the response
+
+    def start(self, data: bytes) -> asyncio.Future[None]:
+        """Send one request; return a future for its final response head."""
+        assert self.transport is not None and self.state == IDLE
+        self._chunks.clear()
+        self._buffered = 0
+        self._error = None
+        self.nothing_received = True
+        self.status = 0
+        self.headers = {}
+        if self.trailers:
+            self.trailers = {}
+        self._fields = 0
+        self._field_bytes = 0
+        self._head_bytes = 0
+        self.state = HEAD
+        self._head = self._loop.create_future()
+        self.transport.write(data)
+        return self._head
+
+    def to_idle(self) -> None:
+        """The response was read whole: the connection may carry the next request."""
+        self.state = IDLE
+        self.idle_since = self._loop.time()
+
+    async def read_chunk(self) -> bytes:
+        """All body bytes received so far (waiting for some); b"" at the end of the body."""
+        while True:
+            if self._chunks:
+                chunks = self._chunks
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
+                if self._paused:
+                    self._paused = False
+                    if self.transport is not None and not self.closed:
+                        self.transport.resume_reading()
+                return chunk
+            if self._error is not None:
+                raise self._error
+            if self.state == DONE:
+                return b""
+            if self.closed:
+                raise HttpClientError("connection closed before the body ended")
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read_chunk():
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    @property
+    def at_eof(self) -> bool:
+        return self.state == DONE and not self._chunks
+
+    @property
+    def reusable(self) -> bool:
+        return self.state == DONE and not self._chunks and self.keep_alive and not self.closed
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
