@@ -99,7 +99,7 @@ class HostPool:
         self._max_idle = limits.max_idle
         self._idle: collections.deque[Conn] = collections.deque()
         self._ssl = ssl_module.create_default_context() if origin.tls else None
-        self._factory = partial(Conn, limits, origin.display)
+        self._factory = partial(Conn, limits, origin.display, origin.tls)
 
     def put(self, conn: Conn) -> None:
         idle = self._idle
@@ -119,15 +119,14 @@ class HostPool:
             oldest_usable = loop.time() - self._idle_s
             while idle:
                 conn = idle.pop()  # the most recently used first
-                if conn.closed:
-                    continue
                 if conn.idle_since < oldest_usable:
                     # This one and every older one may be closing on the server's side.
                     conn.abort()
                     while idle:
                         idle.pop().abort()
                     break
-                return conn, True
+                if conn.still_idle():  # else dropped: nothing was written to it
+                    return conn, True
         origin = self.origin
         loop = asyncio.get_running_loop()
         try:
@@ -139,7 +138,7 @@ class HostPool:
             raise RequestNotSent(f"connect to {origin.display} timed out") from exc
         except OSError as exc:
             raise RequestNotSent(f"connect to {origin.display} failed: {exc}") from exc
-        if conn.closed:  # the server spoke first, or hung up, before we wrote a byte
+        if not conn.still_idle():  # the server spoke first, or hung up, before we wrote
             raise RequestNotSent(f"{origin.display} closed a new connection before the request")
         return conn, False
 

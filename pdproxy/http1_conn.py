@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import select
 from typing import Final, cast
 
 import httptools
@@ -56,9 +57,11 @@ class _Unsolicited(Exception):
 class Conn(asyncio.Protocol):
     """One connection; carries one request at a time. Owned by a pool or by one Response."""
 
-    def __init__(self, limits: UpstreamSettings, label: str) -> None:
+    def __init__(self, limits: UpstreamSettings, label: str, tls: bool) -> None:
         self._loop = asyncio.get_running_loop()
         self._label = label
+        self._tls = tls
+        self._poll: select.poll | None = None
         self._max_head_bytes = limits.max_head_bytes
         self._max_fields = limits.max_header_fields
         self.transport: asyncio.Transport | None = None
@@ -86,6 +89,12 @@ class Conn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and not self._tls:
+            # Registered once; checked before each reuse. TLS sockets turn readable for
+            # records that carry no data (session tickets), so they rely on data_received.
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         state = self.state
@@ -232,6 +241,21 @@ class Conn(asyncio.Protocol):
         self._head = self._loop.create_future()
         self.transport.write(data)
         return self._head
+
+    def still_idle(self) -> bool:
+        """False (and the connection closed) if bytes or EOF arrived since it went idle.
+
+        Besides what data_received already saw, this polls the socket (plain TCP): the loop
+        reads sockets only between steps, so a stray answer that reached the kernel just
+        before reuse would otherwise be read as the next request's answer. httpcore checks
+        idle sockets for readability the same way before reusing them.
+        """
+        if self.closed:
+            return False
+        if self._poll is not None and self._poll.poll(0):
+            self._unsolicited(0)
+            return False
+        return True
 
     def to_idle(self) -> None:
         """The response was read whole: the connection may carry the next request."""

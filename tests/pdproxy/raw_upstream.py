@@ -30,6 +30,10 @@ class RawServer:
             await self._handler(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            # The loop is closing under a handler still reading: end quietly (asyncio 3.11's
+            # stream callback would log a cancelled handler task as an error).
+            pass
         finally:
             if reader.at_eof():
                 self.closed_by_peer += 1

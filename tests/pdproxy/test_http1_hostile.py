@@ -8,6 +8,7 @@ heads, close-delimited bodies, trailers, repeated fields, IPv6 and path prefixes
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import pytest
@@ -105,6 +106,30 @@ async def test_bytes_sent_to_an_idle_connection_close_it() -> None:
         pool.close()
     assert second == b"first"  # a new connection: the handler answers "first" again
     assert b"INJECTED" not in second
+    assert srv.connections == 2
+
+
+async def test_bytes_not_yet_read_by_the_loop_still_keep_a_connection_from_reuse() -> None:
+    """The stray answer reaches the socket, and the next request is sent in the same loop step:
+    the loop never called data_received, the socket check before reuse must catch it."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        while True:
+            await srv.read_request(reader)
+            writer.write(answer(b"conn-%d" % len(writers)))
+            await writer.drain()
+
+    async with raw_server(handler) as srv:
+        pool = pool_for(srv.url)
+        assert await (await pool.request("GET", "/", {})).read() == b"conn-1"
+        await asyncio.sleep(0.02)
+        fd = writers[0].transport.get_extra_info("socket").fileno()
+        os.write(fd, answer(b"INJECTED"))  # straight into the socket, no loop step after it
+        second = await (await pool.request("POST", "/", {}, b"x")).read()
+        pool.close()
+    assert second == b"conn-2"
     assert srv.connections == 2
 
 
