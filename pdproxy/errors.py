@@ -13,7 +13,8 @@ Hierarchy::
     └── HttpClientError        the upstream HTTP/1.1 client (pdproxy.http1): the connection
         │                      failed or closed early, or the answer is not acceptable HTTP/1.1
         ├── RequestNotSent     provably nothing was sent (connect failed or timed out)
-        └── ResponseHeadTooLarge  the response head (or trailers) passed the byte/field caps
+        ├── ResponseHeadTooLarge  the response head (or trailers) passed the byte/field caps
+        └── ResponseTooLarge   an answer read whole passed ``upstream.max_answer_bytes``
 
 ``HttpClientError`` stays inside the upstream layer: :mod:`pdproxy.upstream` translates it into
 ``LegFailed`` (``raise ... from exc``).
@@ -129,3 +130,7 @@ class RequestNotSent(HttpClientError):
 
 class ResponseHeadTooLarge(HttpClientError):
     """The upstream's response head or trailers passed the configured byte or field caps."""
+
+
+class ResponseTooLarge(HttpClientError):
+    """An upstream answer read whole (not streamed) passed the configured byte cap."""

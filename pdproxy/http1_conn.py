@@ -16,7 +16,8 @@ and every byte is checked against that state:
   expired; aiohttp closes a connection with unparsed tail bytes instead of pooling it.
 - The head is capped in bytes (interim heads included, so an endless run of ``100 Continue`` is
   bounded too) and in fields per head, like h11's 16 KiB incomplete-event cap and aiohttp's
-  ``max_field_size``/``max_headers``; trailers of a chunked body get the same caps.
+  ``max_field_size``/``max_headers``; trailers of a chunked body get the same caps. A body read
+  whole (``read_all``) is capped at ``max_answer_bytes``; streamed bodies are relayed, not held.
 - A response with neither ``content-length`` nor chunked framing is read until the server
   closes (a clean EOF ends it; a reset is an error), and its connection is not reused.
 - Repeated header fields are joined with ", " (RFC 9110 §5.3) rather than the last one winning;
@@ -36,7 +37,7 @@ from typing import Final, cast
 
 import httptools
 
-from pdproxy.errors import HttpClientError, ResponseHeadTooLarge
+from pdproxy.errors import HttpClientError, ResponseHeadTooLarge, ResponseTooLarge
 from pdproxy.settings import UpstreamSettings
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Conn(asyncio.Protocol):
         self._tls = tls
         self._poll: select.poll | None = None
         self._max_head_bytes = limits.max_head_bytes
+        self._max_answer_bytes = limits.max_answer_bytes
         self._max_fields = limits.max_header_fields
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
@@ -78,7 +80,7 @@ class Conn(asyncio.Protocol):
         self.trailers: dict[str, str] = {}
         self._fields = 0
         self._field_bytes = 0
-        self._head_bytes = 0
+        self._framing_bytes = 0
         self._framed = False
         self.keep_alive = False
         self.closed = False
@@ -102,8 +104,8 @@ class Conn(asyncio.Protocol):
             self._unsolicited(len(data))
             return
         self.nothing_received = False
-        if state == HEAD:
-            self._head_bytes += len(data)
+        self._framing_bytes += len(data)
+        chunks_before = len(self._chunks)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -125,9 +127,12 @@ class Conn(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(HttpClientError("unexpected protocol upgrade"))
             return
-        if self.state == HEAD and self._head_bytes > self._max_head_bytes:
-            # A head still incomplete past the cap: a huge line, many fields or endless 1xx.
-            self._fail(ResponseHeadTooLarge(f"response head exceeds {self._max_head_bytes} bytes"))
+        if len(self._chunks) != chunks_before:
+            self._framing_bytes = 0
+        elif self._framing_bytes > self._max_head_bytes and self.state != DONE:
+            # Bytes that are no body data, past the cap: a head or trailer line that never
+            # ends, too many fields, endless 1xx. httptools would buffer a partial field.
+            self._fail(ResponseHeadTooLarge(self._over_cap()))
             return
         # Once per read, not per body chunk: wake the reader, apply flow control.
         if self._chunks or self.state == DONE:
@@ -159,7 +164,7 @@ class Conn(asyncio.Protocol):
         if self._fields > self._max_fields:
             raise ResponseHeadTooLarge(f"more than {self._max_fields} response header fields")
         if self._field_bytes > self._max_head_bytes:
-            raise ResponseHeadTooLarge(f"response head exceeds {self._max_head_bytes} bytes")
+            raise ResponseHeadTooLarge(self._over_cap())
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         # Fields after the head are trailers of a chunked body.
@@ -177,6 +182,7 @@ class Conn(asyncio.Protocol):
             self.headers = {}
             return
         self._field_bytes = 0  # trailers get a budget of their own
+        self._framing_bytes = 0
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
         headers = self.headers
@@ -201,6 +207,10 @@ class Conn(asyncio.Protocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _over_cap(self) -> str:
+        what = "response head exceeds" if self.state == HEAD else "trailers exceed"
+        return f"{what} {self._max_head_bytes} bytes"
 
     def _unsolicited(self, nbytes: int) -> None:
         """Bytes nobody asked for: this connection can no longer be trusted to frame answers."""
@@ -236,7 +246,7 @@ class Conn(asyncio.Protocol):
             self.trailers = {}
         self._fields = 0
         self._field_bytes = 0
-        self._head_bytes = 0
+        self._framing_bytes = 0
         self.state = HEAD
         self._head = self._loop.create_future()
         self.transport.write(data)
@@ -288,8 +298,14 @@ class Conn(asyncio.Protocol):
                 self._waiter = None
 
     async def read_all(self) -> bytes:
+        """The whole body, at most ``max_answer_bytes`` of it (else ResponseTooLarge)."""
         parts = []
+        total = 0
         while chunk := await self.read_chunk():
+            total += len(chunk)
+            if total > self._max_answer_bytes:
+                self.abort()
+                raise ResponseTooLarge(f"answer exceeds {self._max_answer_bytes} bytes")
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

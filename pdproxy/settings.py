@@ -110,6 +110,9 @@ class UpstreamSettings(BaseModel):
     """Most bytes of a response head, interim (1xx) heads included; trailers get as much."""
     max_header_fields: int = Field(default=100, ge=8)
     """Most header fields in one response head (and in its trailers)."""
+    max_answer_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Most bytes of an answer read whole: producer legs, non-stream consumer answers, health
+    and control calls. Streamed answers are relayed chunk by chunk and not capped here."""
     idle_s: float = Field(default=4.0, gt=0)
     """A pooled connection idle longer than this is closed instead of reused. Below the
     engines' own keep-alive timeout (uvicorn's default is 5 s), so the proxy does not write a

@@ -13,7 +13,12 @@ import socket
 
 import pytest
 
-from pdproxy.errors import HttpClientError, RequestNotSent, ResponseHeadTooLarge
+from pdproxy.errors import (
+    HttpClientError,
+    RequestNotSent,
+    ResponseHeadTooLarge,
+    ResponseTooLarge,
+)
 from tests.pdproxy.raw_upstream import answer, pool_for, raw_server
 
 # -- 1xx
@@ -381,6 +386,40 @@ async def test_too_many_trailers_are_refused() -> None:
         pool = pool_for(srv.url)
         resp = await pool.request("POST", "/", {}, b"x")
         with pytest.raises(ResponseHeadTooLarge):
+            await resp.read()
+        pool.close()
+
+
+async def test_a_trailer_line_that_never_ends_is_refused() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n")
+        writer.write(b"0\r\nx-endless: ")
+        for _ in range(2000):
+            writer.write(b"t" * 64)
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    async with raw_server(handler) as srv:
+        pool = pool_for(srv.url, max_head_bytes=8192)
+        resp = await pool.request("POST", "/", {}, b"x")
+        with pytest.raises(ResponseHeadTooLarge, match="trailers"):
+            await resp.read()
+        pool.close()
+
+
+async def test_an_answer_read_whole_is_capped() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000000\r\n\r\n")
+        for _ in range(200):  # 12.8 MiB at most, then the handler gives up
+            writer.write(b"a" * 65536)
+            await writer.drain()
+
+    async with raw_server(handler) as srv:
+        pool = pool_for(srv.url, max_answer_bytes=1024 * 1024)
+        resp = await pool.request("POST", "/", {}, b"x")
+        with pytest.raises(ResponseTooLarge, match="1048576"):
             await resp.read()
         pool.close()
 
