@@ -176,19 +176,27 @@ class HostPool:
 def encode_request(
     method: str, target: str, host: str, headers: dict[str, str], body: bytes
 ) -> bytes:
-    """The request head and body as one buffer (one write)."""
+    """The request head and body as one buffer (one write).
+
+    Raises ValueError when the target or a header would break the framing (a line break or
+    NUL smuggling a header or a second request in).
+    """
     if method == "HEAD":
         raise ValueError("HEAD is not supported: its answer's framing differs")
-    if not target.startswith("/") or _breaks_line(target) or " " in target:
+    fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    length = len(body)
+    head = f"{method} {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {length}\r\n{fields}\r\n"
+    # One scan of the whole head instead of one per field: exactly our own line breaks.
+    lines = len(headers) + 4
+    if head.count("\n") != lines or head.count("\r") != lines or "\0" in head:
+        raise ValueError(_framing_breaker(target, headers))
+    if target[:1] != "/" or " " in target:
         raise ValueError(f"request target {target!r} is not an origin-form path")
-    lines = [f"{method} {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {len(body)}\r\n"]
+    return head.encode("latin-1") + body
+
+
+def _framing_breaker(target: str, headers: dict[str, str]) -> str:
     for name, value in headers.items():
-        if _breaks_line(value) or _breaks_line(name):
-            raise ValueError(f"header {name!r} holds a line break")
-        lines.append(f"{name}: {value}\r\n")
-    lines.append("\r\n")
-    return "".join(lines).encode("latin-1") + body
-
-
-def _breaks_line(text: str) -> bool:
-    return "\r" in text or "\n" in text or "\0" in text
+        if any(c in name or c in value for c in "\r\n\0"):
+            return f"header {name!r} holds a line break or NUL"
+    return f"request target {target!r} holds a line break or NUL"

@@ -78,7 +78,8 @@ class Conn(asyncio.Protocol):
         self.status = 0
         self.headers: dict[str, str] = {}
         self.trailers: dict[str, str] = {}
-        self._fields = 0
+        self._filling = self.headers
+        self._repeats = 0
         self._field_bytes = 0
         self._framing_bytes = 0
         self._framed = False
@@ -104,8 +105,7 @@ class Conn(asyncio.Protocol):
             self._unsolicited(len(data))
             return
         self.nothing_received = False
-        self._framing_bytes += len(data)
-        chunks_before = len(self._chunks)
+        self._framing_bytes += len(data)  # on_body resets it
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -127,9 +127,7 @@ class Conn(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(HttpClientError("unexpected protocol upgrade"))
             return
-        if len(self._chunks) != chunks_before:
-            self._framing_bytes = 0
-        elif self._framing_bytes > self._max_head_bytes and self.state != DONE:
+        if self._framing_bytes > self._max_head_bytes and self.state != DONE:
             # Bytes that are no body data, past the cap: a head or trailer line that never
             # ends, too many fields, endless 1xx. httptools would buffer a partial field.
             self._fail(ResponseHeadTooLarge(self._over_cap()))
@@ -159,29 +157,30 @@ class Conn(asyncio.Protocol):
             raise _Unsolicited
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._fields += 1
-        self._field_bytes += len(name) + len(value) + 4
-        if self._fields > self._max_fields:
-            raise ResponseHeadTooLarge(f"more than {self._max_fields} response header fields")
-        if self._field_bytes > self._max_head_bytes:
-            raise ResponseHeadTooLarge(self._over_cap())
+        # The hot path: the caps are checked once per head (a single read is at most 256 KiB,
+        # and a head spread over reads is capped in data_received); only repeats, whose
+        # joining costs more, are checked here.
         key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
-        # Fields after the head are trailers of a chunked body.
-        fields = self.headers if self.state == HEAD else self.trailers
-        previous = fields.get(key)
-        fields[key] = text if previous is None else f"{previous}, {text}"
+        fields = self._filling
+        if key in fields:
+            self._repeated(fields, key, value)
+        else:
+            fields[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self._check_fields(self.headers)
         status = self._parser.get_status_code()
-        self._fields = 0
         if status < 200:
             if status == 101:
                 raise HttpClientError("upstream switched protocols (101) unasked")
             # Interim response: forget it; its bytes still count against the head cap.
-            self.headers = {}
+            self.headers = self._filling = {}
+            self._repeats = 0
             return
-        self._field_bytes = 0  # trailers get a budget of their own
+        # Fields after the head are trailers of a chunked body, with a budget of their own.
+        self._filling = self.trailers
+        self._field_bytes = 0
+        self._repeats = 0
         self._framing_bytes = 0
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
@@ -194,11 +193,14 @@ class Conn(asyncio.Protocol):
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        self._framing_bytes = 0
         self._chunks.append(body)
         self._buffered += len(body)
 
     def on_message_complete(self) -> None:
         if self.state == BODY:  # an interim response's end changes nothing
+            if self.trailers:
+                self._check_fields(self.trailers)
             self.state = DONE
 
     # -- internals
@@ -207,6 +209,20 @@ class Conn(asyncio.Protocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _repeated(self, fields: dict[str, str], key: str, value: bytes) -> None:
+        self._repeats += 1
+        if len(fields) + self._repeats > self._max_fields:
+            raise ResponseHeadTooLarge(f"more than {self._max_fields} header fields")
+        fields[key] = f"{fields[key]}, {value.decode('latin-1')}"
+
+    def _check_fields(self, fields: dict[str, str]) -> None:
+        """Field count and bytes (names and values; interim heads add up) against the caps."""
+        if len(fields) + self._repeats > self._max_fields:
+            raise ResponseHeadTooLarge(f"more than {self._max_fields} header fields")
+        self._field_bytes += sum(map(len, fields)) + sum(map(len, fields.values()))
+        if self._field_bytes > self._max_head_bytes:
+            raise ResponseHeadTooLarge(self._over_cap())
 
     def _over_cap(self) -> str:
         what = "response head exceeds" if self.state == HEAD else "trailers exceed"
@@ -241,10 +257,10 @@ class Conn(asyncio.Protocol):
         self._error = None
         self.nothing_received = True
         self.status = 0
-        self.headers = {}
+        self.headers = self._filling = {}
         if self.trailers:
             self.trailers = {}
-        self._fields = 0
+        self._repeats = 0
         self._field_bytes = 0
         self._framing_bytes = 0
         self.state = HEAD
