@@ -45,24 +45,33 @@ class Response:
     """A response whose final head has arrived; read the body, then ``release()`` or ``close()``.
 
     ``headers`` are lower-cased names; a field sent several times holds its values joined with
-    ", ". ``trailers`` (same form) are filled once a chunked body ends with some.
+    ", ". ``trailers`` (same form) are filled once a chunked body ends with some. After
+    ``release()`` or ``close()`` the connection is no longer this response's: reading fails,
+    closing again does nothing (it never aborts a connection now serving someone else).
     """
 
-    __slots__ = ("_conn", "_pool", "headers", "status")
+    __slots__ = ("_conn", "_pool", "headers", "status", "trailers")
 
     def __init__(self, conn: Conn, pool: HostPool) -> None:
-        self._conn = conn
+        self._conn: Conn | None = conn
         self._pool = pool
         self.status = conn.status
         self.headers = conn.headers
+        self.trailers = conn.trailers
 
     async def read_chunk(self) -> bytes:
-        return await self._conn.read_chunk()
+        conn = self._conn
+        if conn is None:
+            raise HttpClientError("response already released or closed")
+        return await conn.read_chunk()
 
     async def read(self) -> bytes:
         """The whole body; the connection goes back to the pool."""
+        conn = self._conn
+        if conn is None:
+            raise HttpClientError("response already released or closed")
         try:
-            body = await self._conn.read_all()
+            body = await conn.read_all()
         except BaseException:
             self.close()
             raise
@@ -70,23 +79,25 @@ class Response:
         return body
 
     @property
-    def trailers(self) -> dict[str, str]:
-        return self._conn.trailers
-
-    @property
     def at_eof(self) -> bool:
-        return self._conn.at_eof
+        return self._conn is None or self._conn.at_eof
 
     def release(self) -> None:
         """Return the connection to the pool if the body was read whole and may be reused."""
         conn = self._conn
+        if conn is None:
+            return
+        self._conn = None
         if conn.reusable:
             self._pool.put(conn)
         else:
             conn.abort()
 
     def close(self) -> None:
-        self._conn.abort()
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            conn.abort()
 
 
 class HostPool:

@@ -152,10 +152,6 @@ class Conn(asyncio.Protocol):
 
     # -- httptools callbacks
 
-    def on_message_begin(self) -> None:
-        if self.state == DONE:
-            raise _Unsolicited
-
     def on_header(self, name: bytes, value: bytes) -> None:
         # The hot path: the caps are checked once per head (a single read is at most 256 KiB,
         # and a head spread over reads is capped in data_received); only repeats, whose
@@ -166,6 +162,12 @@ class Conn(asyncio.Protocol):
             self._repeated(fields, key, value)
         else:
             fields[key] = value.decode("latin-1")
+
+    def on_message_begin(self) -> None:
+        # One call per message: the first byte of anything behind the final answer (even a
+        # status line cut short) is caught here, before it could be read as the next answer.
+        if self.state == DONE:
+            raise _Unsolicited
 
     def on_headers_complete(self) -> None:
         self._check_fields(self.headers)
@@ -251,15 +253,11 @@ class Conn(asyncio.Protocol):
 
     def start(self, data: bytes) -> asyncio.Future[None]:
         """Send one request; return a future for its final response head."""
-        assert self.transport is not None and self.state == IDLE
-        self._chunks.clear()
-        self._buffered = 0
-        self._error = None
+        # Only fresh or reusable connections get here: no chunks, no error, reading on.
+        assert self.transport is not None
         self.nothing_received = True
-        self.status = 0
         self.headers = self._filling = {}
-        if self.trailers:
-            self.trailers = {}
+        self.trailers = {}  # each response its own: a released Response keeps its dict
         self._repeats = 0
         self._field_bytes = 0
         self._framing_bytes = 0
@@ -315,6 +313,20 @@ class Conn(asyncio.Protocol):
 
     async def read_all(self) -> bytes:
         """The whole body, at most ``max_answer_bytes`` of it (else ResponseTooLarge)."""
+        if self.state == DONE and self._error is None:
+            # Usually the whole answer arrived with its head: take it without awaiting.
+            chunks = self._chunks
+            body = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._buffered = 0
+            if self._paused:
+                self._paused = False
+                if self.transport is not None and not self.closed:
+                    self.transport.resume_reading()
+            if len(body) > self._max_answer_bytes:
+                self.abort()
+                raise ResponseTooLarge(f"answer exceeds {self._max_answer_bytes} bytes")
+            return body
         parts = []
         total = 0
         while chunk := await self.read_chunk():

@@ -157,6 +157,27 @@ async def test_a_second_answer_in_the_same_packet_is_not_kept_for_the_next_reque
     assert srv.connections == 2
 
 
+async def test_an_unsolicited_head_cut_in_two_never_becomes_the_next_answer() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await srv.read_request(reader)
+        writer.write(answer(b"mine") + b"HTTP/1.1 200 OK\r\nx-st")  # the stray starts...
+        await writer.drain()
+        await srv.read_request(reader)  # ...and ends once the next request is in
+        writer.write(b"ray: 1\r\ncontent-length: 8\r\n\r\nINJECTED" + answer(b"late"))
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(handler) as srv:
+        pool = pool_for(srv.url)
+        first = await pool.request("POST", "/", {}, b"a")
+        assert await first.read() == b"mine"
+        assert first.trailers == {}
+        second = await (await pool.request("POST", "/", {}, b"b")).read()
+        pool.close()
+    assert second == b"mine"  # a fresh connection, answered from the start
+    assert srv.connections == 2
+
+
 async def test_garbage_after_a_complete_answer_keeps_the_answer_and_drops_the_connection() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await srv.read_request(reader)
