@@ -114,9 +114,10 @@ class UpstreamSettings(BaseModel):
     """Most bytes of an answer read whole: producer legs, non-stream consumer answers, health
     and control calls. Streamed answers are relayed chunk by chunk and not capped here."""
     idle_s: float = Field(default=4.0, gt=0)
-    """A pooled connection idle longer than this is closed instead of reused. Below the
-    engines' own keep-alive timeout (uvicorn's default is 5 s), so the proxy does not write a
-    request into a connection the server is closing: a POST is never resent on another one."""
+    """A pooled connection idle longer than this is closed instead of reused. Kept below the
+    engines' own keep-alive timeout (uvicorn's default is 5 s) so that the proxy rarely writes
+    into a connection the server is closing: a POST written there is never resent (the leg
+    fails and the request path decides), so that race must stay rare."""
     max_idle: int = Field(default=256, ge=0)
     """Most idle keep-alive connections kept per backend."""
 
