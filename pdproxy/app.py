@@ -58,7 +58,7 @@ class ProxyState:
                 settings, registry=self.registry, metrics_registry=self.metrics.registry
             )
         )
-        self.upstream = Upstream(settings.timeouts)
+        self.upstream = Upstream(settings.timeouts, settings.upstream)
         self.health = HealthChecker(settings.health, self.registry, self.upstream)
         self.request_path = RequestPath(
             settings=settings,

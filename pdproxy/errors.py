@@ -9,7 +9,15 @@ Hierarchy::
     │   ├── BodyTooLarge       413 while reading the body
     │   └── Overloaded         admission queue full or wait timed out (429 + Retry-After)
     ├── LegFailed              an upstream leg failed (connect, timeout, retryable status)
-    └── LegRefused             an upstream answered a client error (4xx): relayed as is
+    ├── LegRefused             an upstream answered a client error (4xx): relayed as is
+    └── HttpClientError        the upstream HTTP/1.1 client (pdproxy.http1): the connection
+        │                      failed or closed early, or the answer is not acceptable HTTP/1.1
+        ├── RequestNotSent     provably nothing was sent (connect failed or timed out)
+        ├── ResponseHeadTooLarge  the response head (or trailers) passed the byte/field caps
+        └── ResponseTooLarge   an answer read whole passed ``upstream.max_answer_bytes``
+
+``HttpClientError`` stays inside the upstream layer: :mod:`pdproxy.upstream` translates it into
+``LegFailed`` (``raise ... from exc``).
 
 ``ClientRequestError`` carries the HTTP status and the OpenAI error ``type``/``code`` so the
 request path answers with OpenAI-shaped JSON without guessing.
@@ -110,3 +118,19 @@ class LegRefused(ProxyError):
         self.status = status
         self.body = body
         self.content_type = content_type
+
+
+class HttpClientError(ProxyError):
+    """The upstream connection failed, closed early, or answered something not acceptable."""
+
+
+class RequestNotSent(HttpClientError):
+    """Nothing of the request left the proxy (connect failed or timed out): safe to resend."""
+
+
+class ResponseHeadTooLarge(HttpClientError):
+    """The upstream's response head or trailers passed the configured byte or field caps."""
+
+
+class ResponseTooLarge(HttpClientError):
+    """An upstream answer read whole (not streamed) passed the configured byte cap."""

@@ -3,9 +3,24 @@
 Why not aiohttp: measured here, aiohttp's client spends ~0.15-0.25 ms of CPU per request in
 its request/response machinery (headers multidicts, URL objects, tracing, timers), which alone
 is most of the proxy's budget for two legs. This client does only what the legs need: one write
-per request (preformatted head + body), a pooled keep-alive connection per backend, the
+per request (preformatted head + body), a pooled keep-alive connection per origin, the
 response head as a plain dict, and the body either whole or chunk by chunk, with read flow
 control. Any error or cancellation aborts the connection (the backend sees the client leave).
+
+Upstreams are not trusted to frame answers honestly; :mod:`pdproxy.http1_conn` says how each
+connection guards against that (1xx, unsolicited bytes, head caps, close-delimited bodies).
+
+Resending. A request is sent again on a fresh connection only when the first try provably
+could not have reached the server's application, or when the method is idempotent:
+
+- a pooled connection found closed (or idle past ``idle_s``) is dropped before anything is
+  written to it: nothing was sent, so any request simply takes another connection;
+- a GET written into a reused connection that closed without a byte of answer is resent once
+  (the server most likely closed the idle connection as we wrote; RFC 9112 §9.3.1, as aiohttp
+  does for idempotent methods);
+- a POST, once written, is never resent here: the server may have read and run it (a prefill
+  must not run twice). The caller gets :class:`HttpClientError` and decides. httpcore never
+  resends a written request either.
 """
 
 from __future__ import annotations
@@ -13,173 +28,50 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl as ssl_module
-from collections.abc import Iterator
-from typing import cast
-from urllib.parse import urlsplit
+from functools import partial
+from typing import Final
 
-import httptools
+from pdproxy.errors import HttpClientError, RequestNotSent
+from pdproxy.http1_conn import Conn
+from pdproxy.origin import Origin
+from pdproxy.settings import UpstreamSettings
 
-_MAX_BUFFERED = 256 * 1024
+__all__ = ["HostPool", "HttpClientError", "Response", "encode_request"]
 
-
-class HttpClientError(Exception):
-    """The connection failed, closed early, or answered something that is not HTTP/1.1."""
-
-
-class _Conn(asyncio.Protocol):
-    """One connection; carries one request at a time."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
-        self._parser = httptools.HttpResponseParser(self)
-        self._head: asyncio.Future[None] | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._chunks: collections.deque[bytes] = collections.deque()
-        self._buffered = 0
-        self._paused = False
-        self._done = False
-        self._error: Exception | None = None
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self._header_name = b""
-        self.keep_alive = False
-        self.closed = False
-        self.nothing_received = True
-
-    # -- asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        self.nothing_received = False
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(HttpClientError("unexpected protocol upgrade"))
-            return
-        except httptools.HttpParserError as exc:
-            self._fail(HttpClientError(f"invalid HTTP response: {exc}"))
-            return
-        # Once per read, not per body chunk: wake the reader, apply flow control.
-        if self._chunks or self._done:
-            if self._buffered > _MAX_BUFFERED and not self._paused and self.transport is not None:
-                self._paused = True
-                self.transport.pause_reading()
-            self._wake()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if not self._done:
-            self._fail(HttpClientError(f"connection closed early: {exc!r}"))
-
-    # -- httptools callbacks
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
-    def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
-        self.keep_alive = self._parser.should_keep_alive()
-        if self._head is not None and not self._head.done():
-            self._head.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
-        self._buffered += len(body)
-
-    def on_message_complete(self) -> None:
-        self._done = True
-
-    # -- internals
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _fail(self, exc: Exception) -> None:
-        if self._error is None:
-            self._error = exc
-        if self._head is not None and not self._head.done():
-            self._head.set_exception(exc)
-            self._head.exception()  # retrieved: the awaiting request re-raises it
-        self._wake()
-        if self.transport is not None:
-            self.transport.abort()
-
-    def start(self, data: bytes) -> asyncio.Future[None]:
-        """Send one request; return a future for its response head."""
-        assert self.transport is not None
-        self._chunks.clear()
-        self._buffered = 0
-        self._done = False
-        self._error = None
-        self.nothing_received = True
-        self.status = 0
-        self.headers = {}
-        self._head = self._loop.create_future()
-        self.transport.write(data)
-        return self._head
-
-    async def read_chunk(self) -> bytes:
-        """All body bytes received so far (waiting for some); b"" at the end of the body."""
-        while True:
-            if self._chunks:
-                chunks = self._chunks
-                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._buffered = 0
-                if self._paused:
-                    self._paused = False
-                    if self.transport is not None:
-                        self.transport.resume_reading()
-                return chunk
-            if self._done:
-                return b""
-            if self._error is not None:
-                raise self._error
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    async def read_all(self) -> bytes:
-        parts = []
-        while chunk := await self.read_chunk():
-            parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    @property
-    def at_eof(self) -> bool:
-        return self._done and not self._chunks
-
-    def abort(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.abort()
+_IDEMPOTENT: Final = frozenset({"GET", "OPTIONS", "PUT", "DELETE", "TRACE"})
 
 
 class Response:
-    """A response whose head has arrived; read the body, then ``release()`` or ``close()``."""
+    """A response whose final head has arrived; read the body, then ``release()`` or ``close()``.
 
-    __slots__ = ("_conn", "_pool", "headers", "status")
+    ``headers`` are lower-cased names; a field sent several times holds its values joined with
+    ", ". ``trailers`` (same form) are filled once a chunked body ends with some. After
+    ``release()`` or ``close()`` the connection is no longer this response's: reading fails,
+    closing again does nothing (it never aborts a connection now serving someone else).
+    """
 
-    def __init__(self, conn: _Conn, pool: HostPool) -> None:
-        self._conn = conn
+    __slots__ = ("_conn", "_pool", "headers", "status", "trailers")
+
+    def __init__(self, conn: Conn, pool: HostPool) -> None:
+        self._conn: Conn | None = conn
         self._pool = pool
         self.status = conn.status
         self.headers = conn.headers
+        self.trailers = conn.trailers
 
     async def read_chunk(self) -> bytes:
-        return await self._conn.read_chunk()
+        conn = self._conn
+        if conn is None:
+            raise HttpClientError("response already released or closed")
+        return await conn.read_chunk()
 
     async def read(self) -> bytes:
         """The whole body; the connection goes back to the pool."""
+        conn = self._conn
+        if conn is None:
+            raise HttpClientError("response already released or closed")
         try:
-            body = await self._conn.read_all()
+            body = await conn.read_all()
         except BaseException:
             self.close()
             raise
@@ -188,93 +80,134 @@ class Response:
 
     @property
     def at_eof(self) -> bool:
-        return self._conn.at_eof
+        return self._conn is None or self._conn.at_eof
 
     def release(self) -> None:
-        """Return the connection to the pool if the body was read whole, else drop it."""
+        """Return the connection to the pool if the body was read whole and may be reused."""
         conn = self._conn
-        if conn.at_eof and conn.keep_alive and not conn.closed:
+        if conn is None:
+            return
+        self._conn = None
+        if conn.reusable:
             self._pool.put(conn)
         else:
             conn.abort()
 
     def close(self) -> None:
-        self._conn.abort()
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            conn.abort()
 
 
 class HostPool:
     """Idle keep-alive connections to one origin."""
 
-    def __init__(self, url: str, connect_timeout_s: float, max_idle: int = 256) -> None:
-        parts = urlsplit(url)
-        if parts.hostname is None or parts.scheme not in ("http", "https"):
-            raise ValueError(f"not an http(s) URL: {url!r}")
-        self.host = parts.hostname
-        self.tls = parts.scheme == "https"
-        self.port = parts.port or (443 if self.tls else 80)
-        default_port = 443 if self.tls else 80
-        self.host_header = self.host if self.port == default_port else f"{self.host}:{self.port}"
+    def __init__(self, origin: Origin, connect_timeout_s: float, limits: UpstreamSettings) -> None:
+        self.origin = origin
         self._connect_timeout_s = connect_timeout_s
-        self._idle: collections.deque[_Conn] = collections.deque()
-        self._max_idle = max_idle
-        self._ssl = ssl_module.create_default_context() if self.tls else None
+        self._idle_s = limits.idle_s
+        self._max_idle = limits.max_idle
+        self._idle: collections.deque[Conn] = collections.deque()
+        self._ssl = ssl_module.create_default_context() if origin.tls else None
+        self._factory = partial(Conn, limits, origin.display, origin.tls)
 
-    def put(self, conn: _Conn) -> None:
-        while self._idle and self._idle[0].closed:
-            self._idle.popleft()
-        if len(self._idle) < self._max_idle:
-            self._idle.append(conn)
+    def put(self, conn: Conn) -> None:
+        idle = self._idle
+        while idle and idle[0].closed:
+            idle.popleft()
+        if len(idle) < self._max_idle:
+            conn.to_idle()
+            idle.append(conn)
         else:
             conn.abort()
 
-    async def _connection(self) -> tuple[_Conn, bool]:
+    async def _connection(self) -> tuple[Conn, bool]:
         """A connection and whether it was reused from the pool."""
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed:
-                return conn, True
+        idle = self._idle
+        if idle:
+            loop = asyncio.get_running_loop()
+            oldest_usable = loop.time() - self._idle_s
+            while idle:
+                conn = idle.pop()  # the most recently used first
+                if conn.idle_since < oldest_usable:
+                    # This one and every older one may be closing on the server's side.
+                    conn.abort()
+                    while idle:
+                        idle.pop().abort()
+                    break
+                if conn.still_idle():  # else dropped: nothing was written to it
+                    return conn, True
+        origin = self.origin
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                _, conn = await loop.create_connection(_Conn, self.host, self.port, ssl=self._ssl)
+                _, conn = await loop.create_connection(
+                    self._factory, origin.host, origin.port, ssl=self._ssl
+                )
         except TimeoutError as exc:
-            raise HttpClientError(f"connect to {self.host}:{self.port} timed out") from exc
+            raise RequestNotSent(f"connect to {origin.display} timed out") from exc
         except OSError as exc:
-            raise HttpClientError(f"connect to {self.host}:{self.port} failed: {exc}") from exc
+            raise RequestNotSent(f"connect to {origin.display} failed: {exc}") from exc
+        if not conn.still_idle():  # the server spoke first, or hung up, before we wrote
+            raise RequestNotSent(f"{origin.display} closed a new connection before the request")
         return conn, False
 
     async def request(
-        self, method: str, path: str, headers: dict[str, str], body: bytes = b""
+        self, method: str, target: str, headers: dict[str, str], body: bytes = b""
     ) -> Response:
-        """Send a request; return once the response head arrived. Cancellation aborts it."""
-        head = "".join(_head_lines(method, path, self.host_header, headers, len(body)))
-        data = head.encode("latin-1") + body
-        for attempt in (0, 1):
+        """Send a request; return once the final response head arrived. Cancellation aborts it.
+
+        ``target`` is the request target as sent (path and query). Raises ValueError for a
+        target or header value that would break the request framing.
+        """
+        data = encode_request(method, target, self.origin.host_header, headers, body)
+        resend = method in _IDEMPOTENT
+        while True:
             conn, reused = await self._connection()
+            head = conn.start(data)
             try:
-                await conn.start(data)
+                await head
             except HttpClientError:
                 conn.abort()
-                if reused and attempt == 0 and conn.nothing_received:
-                    continue  # the server had closed this idle connection: one fresh try
+                if resend and reused and conn.nothing_received:
+                    resend = False
+                    continue
                 raise
             except BaseException:
                 conn.abort()
                 raise
             return Response(conn, self)
-        raise HttpClientError("unreachable")
 
     def close(self) -> None:
         while self._idle:
             self._idle.pop().abort()
 
 
-def _head_lines(
-    method: str, path: str, host: str, headers: dict[str, str], length: int
-) -> Iterator[str]:
-    yield f"{method} {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {length}\r\n"
+def encode_request(
+    method: str, target: str, host: str, headers: dict[str, str], body: bytes
+) -> bytes:
+    """The request head and body as one buffer (one write).
+
+    Raises ValueError when the target or a header would break the framing (a line break or
+    NUL smuggling a header or a second request in).
+    """
+    if method == "HEAD":
+        raise ValueError("HEAD is not supported: its answer's framing differs")
+    fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    length = len(body)
+    head = f"{method} {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {length}\r\n{fields}\r\n"
+    # One scan of the whole head instead of one per field: exactly our own line breaks.
+    lines = len(headers) + 4
+    if head.count("\n") != lines or head.count("\r") != lines or "\0" in head:
+        raise ValueError(_framing_breaker(target, headers))
+    if target[:1] != "/" or " " in target:
+        raise ValueError(f"request target {target!r} is not an origin-form path")
+    return head.encode("latin-1") + body
+
+
+def _framing_breaker(target: str, headers: dict[str, str]) -> str:
     for name, value in headers.items():
-        if "\r" in value or "\n" in value:
-            raise ValueError(f"header {name!r} holds a line break")
-        yield f"{name}: {value}\r\n"
-    yield "\r\n"
+        if any(c in name or c in value for c in "\r\n\0"):
+            return f"header {name!r} holds a line break or NUL"
+    return f"request target {target!r} holds a line break or NUL"

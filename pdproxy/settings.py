@@ -32,6 +32,7 @@ from pydantic_settings import (
 )
 
 from pdproxy.errors import ConfigError
+from pdproxy.origin import base_prefix
 from pdproxy.routing.base import Role
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -77,7 +78,15 @@ class BackendConfig(BaseModel):
         if not value.startswith(("http://", "https://")):
             # No echo: a URL may carry credentials (user:password@host).
             raise ValueError("backend url must start with http:// or https://")
+        base_prefix(value)  # the upstream client must be able to use it as is
         return value.rstrip("/")
+
+    @field_validator("health_path")
+    @classmethod
+    def _check_health_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"health_path {value!r} must start with '/'")
+        return value
 
 
 class ApiKey(BaseModel):
@@ -99,6 +108,27 @@ class TimeoutSettings(BaseModel):
     """Longest silence between two consumer chunks."""
     health_check_s: float = Field(default=2.0, gt=0)
     release_s: float = Field(default=2.0, gt=0)
+
+
+class UpstreamSettings(BaseModel):
+    """The upstream HTTP/1.1 client's limits (every backend gets its own keep-alive pool)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_head_bytes: int = Field(default=64 * 1024, ge=1024)
+    """Most bytes of a response head, interim (1xx) heads included; trailers get as much."""
+    max_header_fields: int = Field(default=100, ge=8)
+    """Most header fields in one response head (and in its trailers)."""
+    max_answer_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Most bytes of an answer read whole: producer legs, non-stream consumer answers, health
+    and control calls. Streamed answers are relayed chunk by chunk and not capped here."""
+    idle_s: float = Field(default=4.0, gt=0)
+    """A pooled connection idle longer than this is closed instead of reused. Kept below the
+    engines' own keep-alive timeout (uvicorn's default is 5 s) so that the proxy rarely writes
+    into a connection the server is closing: a POST written there is never resent (the leg
+    fails and the request path decides), so that race must stay rare."""
+    max_idle: int = Field(default=256, ge=0)
+    """Most idle keep-alive connections kept per backend."""
 
 
 class RetrySettings(BaseModel):
@@ -214,6 +244,7 @@ class ProxySettings(BaseSettings):
     """Bearer key for ``/admin``; the admin API is off when unset."""
 
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     retries: RetrySettings = Field(default_factory=RetrySettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
     breaker: BreakerSettings = Field(default_factory=BreakerSettings)

@@ -1,8 +1,12 @@
 """The upstream client: the two kinds of leg calls and short control calls.
 
-Built on :mod:`pdproxy.http1` (keep-alive pools per backend over asyncio protocols and
+Built on :mod:`pdproxy.http1` (keep-alive pools per origin over asyncio protocols and
 httptools). aiohttp was the first choice and httpx the second; measured here, aiohttp's client
 costs ~130-150 us of CPU per request against ~45-60 us for this one, and a PD request makes two.
+
+Every URL becomes a connection and a request target through :func:`pdproxy.origin.split_url`
+(legs through :func:`~pdproxy.origin.base_prefix`, its cached form for base URLs), so a
+backend's path prefix is kept on legs, health checks, model lists and releases alike.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from dataclasses import dataclass
 from pdproxy.backends import Backend
 from pdproxy.errors import LegFailed, LegRefused
 from pdproxy.http1 import HostPool, HttpClientError, Response
-from pdproxy.settings import TimeoutSettings
+from pdproxy.origin import Origin, base_prefix, split_url
+from pdproxy.settings import TimeoutSettings, UpstreamSettings
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +47,11 @@ class ConsumerOpened:
 
 
 class Upstream:
-    def __init__(self, timeouts: TimeoutSettings) -> None:
+    def __init__(self, timeouts: TimeoutSettings, limits: UpstreamSettings) -> None:
         self._timeouts = timeouts
-        self._pools: dict[str, HostPool] = {}
+        self._limits = limits
+        self._pools: dict[Origin, HostPool] = {}
+        self._bases: dict[str, tuple[HostPool, str]] = {}
 
     async def start(self) -> None:
         return None
@@ -53,12 +60,25 @@ class Upstream:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        self._bases.clear()
 
-    def _pool(self, url: str) -> HostPool:
-        pool = self._pools.get(url)
+    def _pool(self, origin: Origin) -> HostPool:
+        pool = self._pools.get(origin)
         if pool is None:
-            pool = self._pools[url] = HostPool(url, self._timeouts.connect_s)
+            pool = self._pools[origin] = HostPool(origin, self._timeouts.connect_s, self._limits)
         return pool
+
+    def _base(self, base_url: str) -> tuple[HostPool, str]:
+        """A backend's pool and path prefix (cached: this is on every leg)."""
+        found = self._bases.get(base_url)
+        if found is None:
+            origin, prefix = base_prefix(base_url)
+            found = self._bases[base_url] = (self._pool(origin), prefix)
+        return found
+
+    def _target(self, url: str) -> tuple[HostPool, str]:
+        origin, target = split_url(url)
+        return self._pool(origin), target
 
     async def producer_leg(
         self, backend: Backend, path: str, body: bytes, headers: dict[str, str]
@@ -66,7 +86,8 @@ class Upstream:
         """POST the producer leg and return its whole 2xx answer."""
         try:
             async with asyncio.timeout(self._timeouts.producer_total_s):
-                resp = await self._pool(backend.url).request("POST", path, headers, body)
+                pool, prefix = self._base(backend.url)
+                resp = await pool.request("POST", prefix + path, headers, body)
                 answer = await resp.read()
         except TimeoutError as exc:
             raise LegFailed(backend.name, "producer leg timed out", timed_out=True) from exc
@@ -85,7 +106,8 @@ class Upstream:
         resp: Response | None = None
         try:
             async with asyncio.timeout(self._timeouts.consumer_first_byte_s):
-                resp = await self._pool(backend.url).request("POST", path, headers, body)
+                pool, prefix = self._base(backend.url)
+                resp = await pool.request("POST", prefix + path, headers, body)
                 if resp.status >= 400 or not stream:
                     data = await resp.read()
                     classify_status(
@@ -111,22 +133,15 @@ class Upstream:
 
     async def post_json(self, url: str, body: bytes, headers: dict[str, str]) -> int:
         """A short control call (P2P release) to ``url``; returns the status."""
-        base, path = _split(url)
+        pool, target = self._target(url)
         async with asyncio.timeout(self._timeouts.release_s):
-            resp = await self._pool(base).request("POST", path, headers, body)
+            resp = await pool.request("POST", target, headers, body)
             await resp.read()
         return resp.status
 
     async def get(self, url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """A short GET (health checks, model lists)."""
-        base, path = _split(url)
+        pool, target = self._target(url)
         async with asyncio.timeout(self._timeouts.health_check_s):
-            resp = await self._pool(base).request("GET", path, headers or {})
+            resp = await pool.request("GET", target, headers or {})
             return resp.status, await resp.read()
-
-
-def _split(url: str) -> tuple[str, str]:
-    """``http://h:p/a/b`` -> (``http://h:p``, ``/a/b``)."""
-    scheme, _, rest = url.partition("://")
-    host, slash, path = rest.partition("/")
-    return f"{scheme}://{host}", slash + path if slash else "/"

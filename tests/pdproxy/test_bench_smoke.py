@@ -19,3 +19,16 @@ def test_bench_proxy_runs() -> None:
     rows = [line for line in out.splitlines() if line.startswith(("nonstream", "stream64"))]
     assert len(rows) == 4
     assert all(line.split()[-1] == "0" for line in rows)  # no request failed
+
+
+@pytest.mark.slow
+def test_bench_http1_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_http1", "--rounds", "1", "--duration", "0.2",
+         "--max-requests", "40", "--concurrency", "1"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "against the floor" in out
+    rows = [line for line in out.splitlines() if line.startswith(("nonstream", "stream64"))]
+    assert {line.split()[2] for line in rows} == {"floor", "http1", "aiohttp"}
+    assert len(rows) == 6

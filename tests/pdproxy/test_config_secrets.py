@@ -26,6 +26,9 @@ def _bad_configs() -> list[dict[str, object]]:
         {"backends": [{**backend, "api_key": SECRET, "bogus": 1}]},  # the dict is the input
         {"backends": [{**backend, "api_key": SECRET, "role": "nope"}]},
         {"backends": [{**backend, "url": f"htp://user:{SECRET}@host"}]},
+        # http(s), but refused by the upstream client's URL check (user info): no echo there either
+        {"backends": [{**backend, "url": f"http://user:{SECRET}@host:8000"}]},
+        {"backends": [{**backend, "url": f"http://user:{SECRET}@host:8000/p#frag"}]},
         {"api_keys": [{"key": SECRET, "trusted": "maybe"}]},
         {"api_keys": [{"kee": SECRET}]},
         {"admin_kee": SECRET},

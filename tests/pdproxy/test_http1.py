@@ -3,63 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from pdproxy.http1 import HostPool, HttpClientError
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-class RawServer:
-    def __init__(self, handler: Handler) -> None:
-        self._handler = handler
-        self.connections = 0
-        self.closed_by_peer = 0
-        self.server: asyncio.Server | None = None
-        self.port = 0
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            await self._handler(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            if reader.at_eof():
-                self.closed_by_peer += 1
-            writer.close()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@contextlib.asynccontextmanager
-async def raw_server(handler: Handler) -> AsyncIterator[RawServer]:
-    server = RawServer(handler)
-    server.server = await asyncio.start_server(server._serve, "127.0.0.1", 0)
-    server.port = server.server.sockets[0].getsockname()[1]
-    try:
-        yield server
-    finally:
-        server.server.close()
-        await server.server.wait_closed()
-
-
-async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":")[1])
-    return head, await reader.readexactly(length)
-
-
-def answer(body: bytes, extra: bytes = b"") -> bytes:
-    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+from pdproxy.http1 import HttpClientError
+from tests.pdproxy.raw_upstream import answer, pool_for, raw_server
 
 
 async def test_keep_alive_reuses_one_connection() -> None:
@@ -67,13 +15,13 @@ async def test_keep_alive_reuses_one_connection() -> None:
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            head, body = await read_request(reader)
+            head, body = await srv.read_request(reader)
             seen.append(head + body)
             writer.write(answer(b'{"ok":true}', b"content-type: application/json\r\n"))
             await writer.drain()
 
     async with raw_server(handler) as srv:
-        pool = HostPool(srv.url, 1.0)
+        pool = pool_for(srv.url)
         for i in range(3):
             resp = await pool.request("POST", "/v1/x", {"x-request-id": f"r{i}"}, b"{}")
             assert resp.status == 200
@@ -88,12 +36,12 @@ async def test_keep_alive_reuses_one_connection() -> None:
 
 async def test_connection_close_and_stale_connections_get_a_fresh_one() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
+        await srv.read_request(reader)
         writer.write(answer(b"a"))  # keep-alive implied, but the server closes anyway
         await writer.drain()
 
     async with raw_server(handler) as srv:
-        pool = HostPool(srv.url, 1.0)
+        pool = pool_for(srv.url)
         for _ in range(3):
             resp = await pool.request("GET", "/", {})
             assert await resp.read() == b"a"
@@ -105,7 +53,7 @@ async def test_chunked_body_arrives_whole_and_in_order() -> None:
     parts = [b"data: %d\n\n" % i for i in range(50)]
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
+        await srv.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
         for part in parts:
             writer.write(b"%x\r\n%s\r\n" % (len(part), part))
@@ -115,7 +63,7 @@ async def test_chunked_body_arrives_whole_and_in_order() -> None:
         await reader.read()
 
     async with raw_server(handler) as srv:
-        pool = HostPool(srv.url, 1.0)
+        pool = pool_for(srv.url)
         resp = await pool.request("POST", "/", {}, b"")
         got = b""
         while chunk := await resp.read_chunk():
@@ -130,12 +78,12 @@ async def test_large_body_with_flow_control() -> None:
     body = bytes(range(256)) * 8192  # 2 MiB
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
+        await srv.read_request(reader)
         writer.write(answer(body))
         await writer.drain()
 
     async with raw_server(handler) as srv:
-        pool = HostPool(srv.url, 1.0)
+        pool = pool_for(srv.url)
         resp = await pool.request("GET", "/", {})
         got = bytearray()
         while chunk := await resp.read_chunk():
@@ -146,30 +94,30 @@ async def test_large_body_with_flow_control() -> None:
 
 
 async def test_connect_refused_and_cut_responses_raise() -> None:
-    pool = HostPool("http://127.0.0.1:9", 1.0)
+    pool = pool_for("http://127.0.0.1:9")
     with pytest.raises(HttpClientError, match="connect"):
         await pool.request("GET", "/", {})
 
     async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
+        await srv.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly-part")
         await writer.drain()
 
     async with raw_server(cut) as srv:
-        pool = HostPool(srv.url, 1.0)
+        pool = pool_for(srv.url)
         resp = await pool.request("GET", "/", {})
         with pytest.raises(HttpClientError, match="closed early"):
             await resp.read()
         pool.close()
 
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
+        await srv.read_request(reader)
         writer.write(b"SMTP ready\r\n\r\n")
         await writer.drain()
         await reader.read()
 
     async with raw_server(garbage) as srv:
-        pool = HostPool(srv.url, 1.0)
+        pool = pool_for(srv.url)
         with pytest.raises(HttpClientError, match="invalid HTTP"):
             await pool.request("GET", "/", {})
         pool.close()
@@ -179,12 +127,12 @@ async def test_cancelling_a_request_closes_its_connection() -> None:
     got_request = asyncio.Event()
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
+        await srv.read_request(reader)
         got_request.set()
         await reader.read()  # returns at EOF: the client went away
 
     async with raw_server(silent) as srv:
-        pool = HostPool(srv.url, 1.0)
+        pool = pool_for(srv.url)
         task = asyncio.create_task(pool.request("POST", "/", {}, b"x"))
         await asyncio.wait_for(got_request.wait(), 2)
         task.cancel()
@@ -199,11 +147,11 @@ async def test_cancelling_a_request_closes_its_connection() -> None:
 
 
 def test_header_injection_is_refused() -> None:
-    pool = HostPool("http://127.0.0.1:1", 1.0)
+    pool = pool_for("http://127.0.0.1:1")
     with pytest.raises(ValueError, match="line break"):
         asyncio.run(pool.request("GET", "/", {"x-evil": "a\r\nHost: other"}))
 
 
 def test_only_http_urls() -> None:
     with pytest.raises(ValueError):
-        HostPool("ftp://h/", 1.0)
+        pool_for("ftp://h/")
