@@ -4,6 +4,9 @@ orjson is used for speed. It turns integers beyond 64 bits into floats, so a bod
 run of 19 or more digits (possibly such an integer) goes through the standard library instead,
 which keeps big integers exact. Floats round-trip exactly either way: both encoders write the
 shortest representation that reads back as the same double (``0.9`` stays ``0.9``).
+
+Nesting: orjson reads up to 1024 levels but writes only 255, and the standard library recurses
+in C until ``RecursionError``; a body nested too deep to read or to write again is a 400.
 """
 
 from __future__ import annotations
@@ -31,9 +34,14 @@ class ClientBody:
 
     def encode(self, data: dict[str, Any]) -> bytes:
         """Serialise an edited copy of ``data`` with the same codec that decoded it."""
-        if self.exact_ints:
-            return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-        return orjson.dumps(data)
+        try:
+            if self.exact_ints:
+                return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+            return orjson.dumps(data)
+        except (orjson.JSONEncodeError, RecursionError, ValueError) as exc:
+            raise ClientRequestError(
+                400, "request body is nested too deeply", code="invalid_request"
+            ) from exc
 
 
 def _reject_constant(name: str) -> Any:
@@ -47,6 +55,8 @@ def decode_body(raw: bytes) -> ClientBody:
         data = json.loads(raw, parse_constant=_reject_constant) if exact else orjson.loads(raw)
     except ValueError as exc:
         raise ClientRequestError(400, f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ClientRequestError(400, "request body is nested too deeply") from exc
     if not isinstance(data, dict):
         raise ClientRequestError(400, "request body must be a JSON object")
     if exact:
@@ -54,6 +64,8 @@ def decode_body(raw: bytes) -> ClientBody:
         # that no leg could be encoded with; refuse them here as orjson would.
         try:
             json.dumps(data, ensure_ascii=False).encode()
+        except RecursionError as exc:
+            raise ClientRequestError(400, "request body is nested too deeply") from exc
         except UnicodeEncodeError as exc:
             raise ClientRequestError(
                 400, "request body is not valid JSON: lone surrogate in a string"

@@ -1,11 +1,16 @@
-"""Taking a client request in: its API key and its body (size-limited while read)."""
+"""Taking a client request in: its API key, its body (size- and time-limited while read), and
+the gate on ``kv_transfer_params``."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
 
-from pdproxy.errors import BodyTooLarge, ClientRequestError
+from pdproxy.errors import BodyReadTimeout, BodyTooLarge, ClientRequestError
 from pdproxy.headers import bearer_token
 from pdproxy.settings import ApiKey
 
@@ -15,6 +20,10 @@ class ClientKeys:
 
     def __init__(self, keys: list[ApiKey]) -> None:
         self._trusted = {k.key.get_secret_value(): k.trusted for k in keys}
+
+    @property
+    def required(self) -> bool:
+        return bool(self._trusted)
 
     def authenticate(self, headers: Headers) -> bool:
         """Check the caller's bearer key; return whether it is trusted. 401 if wrong."""
@@ -27,16 +36,45 @@ class ClientKeys:
         return trusted
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused with 413 as soon as it exceeds ``limit`` bytes."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body: 413 as soon as it exceeds ``limit`` bytes, 408 if it has not arrived
+    within ``timeout_s`` (a slow sender must not hold its slot and buffer for ever)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                chunks.append(chunk)
+    except TimeoutError as exc:
+        raise BodyReadTimeout(timeout_s) from exc
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def brings_kv_params(data: Mapping[str, Any]) -> bool:
+    """The client set ``kv_transfer_params`` (top level, or inside ``vllm_xargs``, which vLLM
+    merges into the request's extra arguments). Either names hosts an engine would connect
+    to, so only trusted keys may."""
+    if "kv_transfer_params" in data:
+        return True
+    xargs = data.get("vllm_xargs")
+    return isinstance(xargs, Mapping) and "kv_transfer_params" in xargs
+
+
+def check_kv_params(data: Mapping[str, Any], trusted: bool) -> bool:
+    """True when the request passes its own ``kv_transfer_params`` through (trusted caller);
+    400 for anyone else who tries."""
+    if not brings_kv_params(data):
+        return False
+    if not trusted:
+        raise ClientRequestError(
+            400,
+            "kv_transfer_params may not be set by clients",
+            code="kv_transfer_params_not_allowed",
+        )
+    return True

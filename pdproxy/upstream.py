@@ -46,9 +46,6 @@ class Upstream:
         self._timeouts = timeouts
         self._pools: dict[str, HostPool] = {}
 
-    async def start(self) -> None:
-        return None
-
     async def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
