@@ -153,6 +153,7 @@ class FakeBackend:
         return web.Response(status=self.behavior.health_status, text="")
 
     async def _models(self, request: web.Request) -> web.Response:
+        await self._record(request)
         body = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 

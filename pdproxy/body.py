@@ -5,8 +5,9 @@ run of 19 or more digits (possibly such an integer) goes through the standard li
 which keeps big integers exact. Floats round-trip exactly either way: both encoders write the
 shortest representation that reads back as the same double (``0.9`` stays ``0.9``).
 
-Nesting: orjson reads up to 1024 levels but writes only 255, and the standard library recurses
-in C until ``RecursionError``; a body nested too deep to read or to write again is a 400.
+Nesting: orjson reads up to 1024 levels but writes only 255 (deeper bodies are written by the
+standard library), and the standard library recurses until ``RecursionError``; a body nested
+too deep to read or to write again is a 400, never a 500.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ class ClientBody:
 
     def encode(self, data: dict[str, Any]) -> bytes:
         """Serialise an edited copy of ``data`` with the same codec that decoded it."""
+        if not self.exact_ints:
+            try:
+                return orjson.dumps(data)
+            except orjson.JSONEncodeError:
+                pass  # deeper than orjson writes (255): the standard library may manage
         try:
-            if self.exact_ints:
-                return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-            return orjson.dumps(data)
-        except (orjson.JSONEncodeError, RecursionError, ValueError) as exc:
-            raise ClientRequestError(
-                400, "request body is nested too deeply", code="invalid_request"
-            ) from exc
+            return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        except (RecursionError, ValueError) as exc:
+            raise ClientRequestError(400, "request body is nested too deeply") from exc
 
 
 def _reject_constant(name: str) -> Any:

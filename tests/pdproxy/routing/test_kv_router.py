@@ -323,3 +323,28 @@ async def test_debug_header_is_compact_ascii_json(router: KvRouter) -> None:
     small = route_explain_value(d, max_bytes=700)
     assert len(small) <= 700 and small.isascii()
     assert len(json.loads(small)["producers"]) < 8
+
+
+async def test_routing_work_is_capped_to_a_prefix() -> None:
+    """A huge prompt is hashed, matched and predicted only over ``max_route_blocks`` blocks;
+    its full length still counts as load."""
+    settings = ALWAYS_PD.model_copy(update={"max_route_blocks": 4, "inline_hash_blocks": 2})
+    router = make_router(settings)
+    producers, consumers = pool(2, 1)
+    long_text = prompt_text(40)
+    try:
+        await router._index.apply(NodeId("p1"), stored(long_text))
+        d = await router.route(text_request(long_text), producers, consumers)
+    finally:
+        await router.close()
+    assert d.explain["blocks"] == 4
+    assert d.explain["prompt_tokens"] == len(long_text.encode())
+    assert d.producers[0].name == "p1"  # the capped prefix still finds the holder
+    assert sample(router, "pdproxy_kv_router_offloaded_hashes_total") == 1.0
+
+
+async def test_decision_ranks_the_objects_it_was_given(router: KvRouter) -> None:
+    producers, consumers = pool(2, 2)
+    d = await router.route(text_request(prompt_text(10)), producers, consumers)
+    assert all(any(b is p for p in producers) for b in d.producers)
+    assert all(any(b is c for c in consumers) for b in d.consumers)
