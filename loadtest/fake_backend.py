@@ -109,7 +109,7 @@ class FakeBackend:
         return [r for r in self.completions() if not r.is_producer_leg]
 
     async def start(self) -> FakeBackend:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 2**20)  # near-limit prompts pass
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_post("/v1/kv/release", self._release)
