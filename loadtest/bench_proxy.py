@@ -12,9 +12,12 @@ floor. Bounded: each cell runs for ``--duration`` seconds or ``--max-requests`` 
 ``--baseline-tree DIR`` also runs a second proxy from another checkout (e.g. the code before a
 change) in the same run, each of its cells right before the same cell of this tree's proxy, and
 prints this proxy's CPU per request as a ratio of the baseline's: on a noisy machine a before /
-after comparison is only meaningful within one run.
+after comparison is only meaningful within one run. ``--rounds N`` runs each cell N times,
+alternating the modes (floor, baseline, proxy), and adds them up, so load drift hits every mode
+alike.
 
-    python -m loadtest.bench_proxy [--duration 2] [--max-requests 4000] [--baseline-tree DIR]
+    python -m loadtest.bench_proxy [--duration 2] [--max-requests 4000] [--rounds 1]
+        [--baseline-tree DIR]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import aiohttp
@@ -186,6 +189,39 @@ async def _wait_ready(session: aiohttp.ClientSession, url: str) -> None:
     raise RuntimeError(f"{url} never became ready")
 
 
+@dataclass
+class _Sum:
+    """One cell's rounds added up."""
+
+    lat: list[float] = field(default_factory=list)
+    ttfc: list[float] = field(default_factory=list)
+    errors: int = 0
+    secs: float = 0.0
+    cpu: float = 0.0
+    own: float = 0.0
+
+    def add(
+        self, lat: list[float], ttfc: list[float], *, errors: int, secs: float, cpu: float,
+        own: float,
+    ) -> None:  # fmt: skip
+        self.lat += lat
+        self.ttfc += ttfc
+        self.errors += errors
+        self.secs += secs
+        self.cpu += cpu
+        self.own += own
+
+    def cell(self, mode: str, kind: str, conc: int) -> Cell:
+        n = len(self.lat)
+        return Cell(
+            mode, kind, conc, n, self.errors, self.secs,
+            _pct(self.lat, 0.5) * 1e3, _pct(self.lat, 0.99) * 1e3,
+            statistics.median(self.ttfc) * 1e3 if self.ttfc else float("nan"),
+            self.cpu * 1e3 / n if mode != "floor" and n else None,
+            self.own * 1e3 / n if n else float("nan"),
+        )  # fmt: skip
+
+
 def _proxy_argv(port: int, p_url: str, d_url: str) -> list[str]:
     return [sys.executable, "-m", "pdproxy.cli", "serve", "--port", str(port),
             "--producer", p_url, "--consumer", d_url, "--dialect", "nixl",
@@ -226,27 +262,25 @@ async def _bench(args: argparse.Namespace) -> list[Cell]:
             for stream in (False, True):
                 kind = "stream64" if stream else "nonstream"
                 for conc in args.concurrency:
-                    for mode in modes:
-                        load = loads.get(mode, loads["pdproxy"])
-                        call = load.floor if mode == "floor" else load.via_proxy
-                        proc = pids.get(mode, pids["pdproxy"])
-                        cpu0 = _cpu_seconds(proc.pid)
-                        own0 = time.process_time()
-                        lat, ttfc, errors, secs = await _run_cell(
-                            partial(call, stream), conc, args.duration, args.max_requests
-                        )
-                        cpu = _cpu_seconds(proc.pid) - cpu0
-                        own = time.process_time() - own0
-                        n = len(lat)
-                        cells.append(
-                            Cell(
-                                mode, kind, conc, n, errors, secs,
-                                _pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3,
-                                statistics.median(ttfc) * 1e3 if ttfc else float("nan"),
-                                cpu * 1e3 / n if mode != "floor" and n else None,
-                                own * 1e3 / n if n else float("nan"),
+                    # Rounds alternate the modes so that load drift on a shared machine hits
+                    # each mode alike; a cell sums its rounds.
+                    sums: dict[str, _Sum] = {mode: _Sum() for mode in modes}
+                    for _ in range(args.rounds):
+                        for mode in modes:
+                            load = loads.get(mode, loads["pdproxy"])
+                            call = load.floor if mode == "floor" else load.via_proxy
+                            proc = pids.get(mode, pids["pdproxy"])
+                            cpu0 = _cpu_seconds(proc.pid)
+                            own0 = time.process_time()
+                            lat, ttfc, errors, secs = await _run_cell(
+                                partial(call, stream), conc, args.duration, args.max_requests
                             )
-                        )  # fmt: skip
+                            sums[mode].add(
+                                lat, ttfc, errors=errors, secs=secs,
+                                cpu=_cpu_seconds(proc.pid) - cpu0,
+                                own=time.process_time() - own0,
+                            )  # fmt: skip
+                    cells.extend(sums[mode].cell(mode, kind, conc) for mode in modes)
     return cells
 
 
@@ -295,6 +329,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per cell")
     parser.add_argument("--max-requests", type=int, default=4000, help="requests per cell")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run each cell this many times, alternating the modes, and add them up",
+    )  # fmt: skip
     parser.add_argument(
         "--baseline-tree", metavar="DIR",
         help="another checkout whose proxy is measured in the same run (before/after)",
