@@ -93,6 +93,14 @@ class RequestLease:
     """Everything one client request holds, and what it did (timings, choices) for headers,
     metrics and the router's outcome."""
 
+    __slots__ = (
+        "_admission", "_admitted", "_closed", "_confirm_failure", "_holds", "_metrics",
+        "_releaser", "_releases", "_router", "_suspects", "cached_tokens", "canceller",
+        "client_request_id", "consumer", "consumer_first_byte_s", "decision", "dialect",
+        "fallback", "producer", "producer_s", "request_id", "retries", "route", "route_s",
+        "stage", "supply", "t0",
+    )  # fmt: skip
+
     def __init__(
         self,
         *,
@@ -142,11 +150,13 @@ class RequestLease:
 
     # -- taking
 
-    async def admit(self) -> None:
-        """Take an admission slot (raises :class:`~pdproxy.errors.Overloaded`)."""
+    async def admit(self) -> bool:
+        """Take an admission slot (raises :class:`~pdproxy.errors.Overloaded`); True when the
+        request waited in the queue for it."""
         self.stage = "queue"
-        await self._admission.acquire()
+        waited = await self._admission.acquire()
         self._admitted = True
+        return waited
 
     def hold(self, backend: Backend) -> BackendHold:
         hold = BackendHold(backend, self)

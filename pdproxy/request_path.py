@@ -120,7 +120,7 @@ class RequestPath:
         headers = request.headers
         try:
             trusted = self._keys.authenticate(headers)
-            await lease.admit()
+            queued = await lease.admit()
             lease.stage = "read"
             body = decode_body(await read_body(request, self._max_body, self._body_timeout_s))
             passthrough = check_kv_params(body.data, trusted)
@@ -139,10 +139,11 @@ class RequestPath:
         if lease.client_request_id is not None:
             log.debug("request %s: client id %s", lease.request_id, lease.client_request_id)
         try:
-            with canceller.armed():
-                # One turn of the loop lets the watcher see a disconnect that arrived while
-                # the request was queued or its body was read: then nothing goes upstream.
-                await asyncio.sleep(0)
+            if queued:
+                # The client may have left while queued (nobody listened then): one turn of the
+                # loop lets the watcher see it before anything goes upstream.
+                with canceller.armed():
+                    await asyncio.sleep(0)
             return await self._serve(lease, body, headers, passthrough)
         except asyncio.CancelledError as exc:
             if not canceller.owns(exc):
