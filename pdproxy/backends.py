@@ -23,6 +23,7 @@ class Backend:
         "health_failures",
         "health_successes",
         "healthy",
+        "kv_address",
         "removed",
     )
 
@@ -37,6 +38,8 @@ class Backend:
         self._in_flight = 0
         key = config.api_key.get_secret_value() if config.api_key is not None else ""
         self.auth_header: str | None = f"Bearer {key}" if key else None
+        self.kv_address = config.kv_host_port
+        """Where this producer's answers must say its KV is (None: not checked)."""
 
     @property
     def name(self) -> str:

@@ -21,7 +21,7 @@ from pdproxy.legs import ROUTE_PATHS
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.relay import Relay, find_cached_tokens
 from pdproxy.request_ids import leg_request_id
-from pdproxy.retry import RetryPolicy
+from pdproxy.retry import NO_DEADLINE, RetryPolicy
 from pdproxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,10 @@ class ConsumerPhase:
         assert canceller is not None
         path = ROUTE_PATHS[lease.route]
         t = time.perf_counter()
-        deadline = self._retry.deadline("consumer")
         failure: LegFailed | None = None
-        for attempt, consumer in enumerate(consumers[: self._retry.attempts("consumer")]):
+        for attempt, consumer in enumerate(consumers[: self._retry.consumer_attempts]):
             if attempt:
-                if not await self._retry.pause("consumer", attempt, deadline, canceller):
+                if not await self._retry.pause("consumer", attempt, NO_DEADLINE, canceller):
                     break
                 lease.retries += 1
             headers = leg_headers(

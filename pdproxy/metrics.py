@@ -100,11 +100,11 @@ class ProxyMetrics:
             ["backend", "result"],
             registry=r,
         )
-        self.kv_address_checks = Counter(
-            "pdproxy_kv_address_checks",
-            "Producer answers' remote_host/remote_port against the backend's kv_address "
-            "(ok, mismatch, unchecked: no kv_address configured)",
-            ["backend", "result"],
+        self.kv_address_mismatches = Counter(
+            "pdproxy_kv_address_mismatches",
+            "Producer answers refused for naming a remote_host/remote_port other than the "
+            "backend's kv_address",
+            ["backend"],
             registry=r,
         )
         self.body_read_timeouts = Counter(
@@ -135,6 +135,3 @@ class ProxyMetrics:
 
     def upstream_failure(self, backend: str, kind: str) -> None:
         self._child(self.upstream_failures, backend, kind).inc()
-
-    def kv_address_check(self, backend: str, result: str) -> None:
-        self._child(self.kv_address_checks, backend, result).inc()

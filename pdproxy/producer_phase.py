@@ -54,9 +54,9 @@ class ProducerPhase:
         assert canceller is not None
         path = ROUTE_PATHS[lease.route]
         t = time.perf_counter()
-        deadline = self._retry.deadline("producer")
+        deadline = self._retry.producer_deadline()
         try:
-            for attempt, producer in enumerate(producers[: self._retry.attempts("producer")]):
+            for attempt, producer in enumerate(producers[: self._retry.producer_attempts]):
                 if attempt:
                     if not await self._retry.pause("producer", attempt, deadline, canceller):
                         break
@@ -68,7 +68,7 @@ class ProducerPhase:
                     base, leg_request_id(lease.request_id, "producer", attempt),
                     producer.auth_header,
                 )  # fmt: skip
-                address = producer.config.kv_host_port
+                address = producer.kv_address
                 t_leg = time.perf_counter()
                 hold = lease.hold(producer)
                 try:
@@ -78,7 +78,7 @@ class ProducerPhase:
                     hold.succeeded()
                 except LegFailed as exc:
                     if isinstance(exc, KvAddressMismatch):
-                        self._metrics.kv_address_check(producer.name, "mismatch")
+                        self._metrics.kv_address_mismatches.labels(producer.name).inc()
                     hold.failed(exc)
                     log.warning("request %s: producer leg failed: %s", lease.request_id, exc)
                     lease.drop_supply(supply)
@@ -91,9 +91,6 @@ class ProducerPhase:
                     raise
                 finally:
                     hold.release()
-                self._metrics.kv_address_check(
-                    producer.name, "unchecked" if address is None else "ok"
-                )
                 self._metrics.observe_leg("producer", producer.name, time.perf_counter() - t_leg)
                 lease.producer = producer.name
                 lease.supply = supply

@@ -16,6 +16,7 @@ from pdproxy.metrics import ProxyMetrics
 from pdproxy.settings import RetrySettings
 
 Leg = Literal["producer", "consumer"]
+NO_DEADLINE = float("inf")
 
 
 class RetryPolicy:
@@ -23,17 +24,13 @@ class RetryPolicy:
         self._settings = settings
         self._metrics = metrics
         self._rng = random.Random()
+        self.producer_attempts = settings.producer_attempts
+        self.consumer_attempts = settings.consumer_attempts
 
-    def attempts(self, leg: Leg) -> int:
-        s = self._settings
-        return s.producer_attempts if leg == "producer" else s.consumer_attempts
-
-    def deadline(self, leg: Leg) -> float:
-        """When this phase must stop retrying (``perf_counter`` time); only producers have a
-        budget: a consumer is the last resort."""
-        if leg == "producer":
-            return time.perf_counter() + self._settings.budget_s
-        return float("inf")
+    def producer_deadline(self) -> float:
+        """When the producer phase must stop retrying (``perf_counter`` time). Consumers have
+        no budget (``NO_DEADLINE``): a consumer is the last resort."""
+        return time.perf_counter() + self._settings.budget_s
 
     def backoff(self, attempt: int) -> float:
         """Uniform in [cap/2, cap], the cap doubling per retry up to ``backoff_max_s``."""

@@ -58,9 +58,9 @@ class BackendConfig(BaseModel):
     kv_address: str | None = None
     """``host:port`` this producer announces for KV transfer (the P2P server, or NIXL's side
     channel). A producer answer naming another ``remote_host``/``remote_port`` is refused (the
-    attempt fails over, counted in ``pdproxy_kv_address_checks{result="mismatch"}``): the
-    consumer would connect wherever the answer says. Unset: not checked (counted as
-    ``unchecked``), i.e. the producer is trusted to name itself; set it in production."""
+    attempt fails over, counted in ``pdproxy_kv_address_mismatches``): the consumer would
+    connect wherever the answer says. Unset: not checked (the proxy warns at start), i.e. the
+    producer is trusted to name itself; set it in production."""
 
     @field_validator("name")
     @classmethod

@@ -350,7 +350,7 @@ async def test_producer_naming_another_kv_address_is_refused(
             else:
                 tally.fail(f"{proxy.name}: {r.status_code} fallback={fell_back}")
         g = await gauges(client, wrong)
-    mismatches = g.get('pdproxy_kv_address_checks_total{backend="p",result="mismatch"}', 0.0)
+    mismatches = g.get('pdproxy_kv_address_mismatches_total{backend="p"}', 0.0)
     tally.notes.append(f"mismatched kv_address: {mismatches:.0f} refused, consumer recomputed")
     assert mismatches == 1.0, tally.notes
     assert tally.failed == 0, tally.notes
