@@ -30,10 +30,16 @@ class Admission:
     def queue_depth(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self) -> bool:
-        """Take a slot; True when the request had to wait in the queue for it."""
+    def try_acquire(self) -> bool:
+        """Take a free slot now if there is one (no queue ahead)."""
         if self._active < self._settings.max_concurrent and not self._waiters:
             self._active += 1
+            return True
+        return False
+
+    async def acquire(self) -> bool:
+        """Take a slot; True when the request had to wait in the queue for it."""
+        if self.try_acquire():
             return False
         if len(self._waiters) >= self._settings.queue_size:
             raise Overloaded("too many requests in flight; queue is full", self._retry_after)

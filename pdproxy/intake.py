@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from starlette.datastructures import Headers
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Message, Receive
 
 from pdproxy.errors import BodyReadTimeout, BodyTooLarge, ClientRequestError
 from pdproxy.headers import bearer_token
@@ -50,27 +51,42 @@ class _Deadline:
         self._task.cancel()
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The whole body: 413 as soon as it exceeds ``limit`` bytes, 408 if it has not arrived
-    within ``timeout_s`` (a slow sender must not hold its slot and buffer for ever).
-
-    One plain loop timer rather than ``asyncio.timeout``: this runs for every request, and the
-    timer costs a fraction of the context manager's Python calls."""
+def check_declared_size(request: Request, limit: int) -> None:
+    """413 at once when ``content-length`` already says the body is too large."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
+
+
+async def read_body(
+    receive: Receive, limit: int, timeout_s: float, received: list[Message] | None = None
+) -> bytes:
+    """The whole body (after the ``received`` messages, taken while queued): 413 as soon as it
+    exceeds ``limit`` bytes, 408 if it has not arrived within ``timeout_s`` (a slow sender must
+    not hold its slot and buffer for ever), ``ClientDisconnect`` if the client left.
+
+    One plain loop timer rather than ``asyncio.timeout``: this runs for every request, and the
+    timer costs a fraction of the context manager's Python calls."""
     task = asyncio.current_task()
     assert task is not None
     deadline = _Deadline(task)
     timer = asyncio.get_running_loop().call_later(timeout_s, deadline)
     chunks: list[bytes] = []
     size = 0
+    pending = list(received or ())
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(limit)
-            chunks.append(chunk)
+        while True:
+            message = pending.pop(0) if pending else await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
     except asyncio.CancelledError:
         if not deadline.fired:
             raise

@@ -150,13 +150,16 @@ class RequestLease:
 
     # -- taking
 
-    async def admit(self) -> bool:
-        """Take an admission slot (raises :class:`~pdproxy.errors.Overloaded`); True when the
-        request waited in the queue for it."""
+    def admit_now(self) -> bool:
+        """Take a free admission slot if one is free now, without queueing."""
+        self._admitted = self._admission.try_acquire()
+        return self._admitted
+
+    async def admit(self) -> None:
+        """Wait in the queue for a slot (raises :class:`~pdproxy.errors.Overloaded`)."""
         self.stage = "queue"
-        waited = await self._admission.acquire()
+        await self._admission.acquire()
         self._admitted = True
-        return waited
 
     def hold(self, backend: Backend) -> BackendHold:
         hold = BackendHold(backend, self)

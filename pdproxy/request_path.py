@@ -1,7 +1,8 @@
 """The request path: one client request → producer leg (maybe) → consumer leg → client.
 
-In order: the client key (401), an admission slot (429 at once when the queue is full), the
-body (413 past the size limit, 408 past the read deadline), the ``kv_transfer_params`` gate
+In order: the client key (401), an admission slot (429 at once when the queue is full; a
+client leaving while queued is heard, :mod:`pdproxy.queue_wait`), the body (413 past the size
+limit, 408 past the read deadline), the ``kv_transfer_params`` gate
 (400), the candidates (filtered by role and dialect before the router ranks them), the
 producer phase (:mod:`pdproxy.producer_phase`; consumer-only fallback when it fails), the
 consumer phase (:mod:`pdproxy.consumer_phase`). Everything the request takes belongs to its
@@ -38,11 +39,12 @@ from pdproxy.errors import (
 from pdproxy.headers import ROUTE_EXPLAIN, wants_route_explain
 from pdproxy.health import HealthChecker
 from pdproxy.http_errors import client_error_response, error_response
-from pdproxy.intake import ClientKeys, check_kv_params, read_body
+from pdproxy.intake import ClientKeys, check_declared_size, check_kv_params, read_body
 from pdproxy.lease import LeasedResponse, RequestLease
 from pdproxy.legs import consumer_body
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.producer_phase import ProducerPhase
+from pdproxy.queue_wait import wait_for_slot
 from pdproxy.relay import Relay
 from pdproxy.release import SupplyReleaser
 from pdproxy.request_ids import client_request_id, new_request_id
@@ -120,9 +122,11 @@ class RequestPath:
         headers = request.headers
         try:
             trusted = self._keys.authenticate(headers)
-            queued = await lease.admit()
+            check_declared_size(request, self._max_body)
+            received = None if lease.admit_now() else await wait_for_slot(lease, request.receive)
             lease.stage = "read"
-            body = decode_body(await read_body(request, self._max_body, self._body_timeout_s))
+            raw = await read_body(request.receive, self._max_body, self._body_timeout_s, received)
+            body = decode_body(raw)
             passthrough = check_kv_params(body.data, trusted)
         except BodyReadTimeout as exc:
             self._metrics.body_read_timeouts.inc()
@@ -139,11 +143,6 @@ class RequestPath:
         if lease.client_request_id is not None:
             log.debug("request %s: client id %s", lease.request_id, lease.client_request_id)
         try:
-            if queued:
-                # The client may have left while queued (nobody listened then): one turn of the
-                # loop lets the watcher see it before anything goes upstream.
-                with canceller.armed():
-                    await asyncio.sleep(0)
             return await self._serve(lease, body, headers, passthrough)
         except asyncio.CancelledError as exc:
             if not canceller.owns(exc):
