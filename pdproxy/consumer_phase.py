@@ -20,7 +20,6 @@ from pdproxy.lease import RequestLease
 from pdproxy.legs import ROUTE_PATHS
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.relay import Relay, find_cached_tokens
-from pdproxy.request_ids import leg_request_id
 from pdproxy.retry import NO_DEADLINE, RetryPolicy
 from pdproxy.upstream import Upstream
 
@@ -63,9 +62,7 @@ class ConsumerPhase:
                 if not await self._retry.pause("consumer", attempt, NO_DEADLINE, canceller):
                     break
                 lease.retries += 1
-            headers = leg_headers(
-                base, leg_request_id(lease.request_id, "consumer", attempt), consumer.auth_header
-            )
+            headers = leg_headers(base, lease.request_id, "consumer", attempt, consumer.auth_header)
             hold = lease.hold(consumer)
             try:
                 with canceller.armed():

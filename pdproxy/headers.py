@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.datastructures import Headers
 
-from pdproxy.request_ids import REQUEST_ID_HEADER, LegRequestId
+from pdproxy.request_ids import REQUEST_ID_HEADER, LegKind, RequestId, leg_request_id
 
 DEBUG_REQUEST = "x-pdproxy-debug"
 """Request header asking for :data:`ROUTE_EXPLAIN` (honoured only with ``debug_headers``)."""
@@ -12,11 +12,16 @@ ROUTE_EXPLAIN = "x-pdproxy-route"
 
 
 def leg_headers(
-    base: dict[str, str], leg_id: LegRequestId, auth_header: str | None
+    base: dict[str, str],
+    request_id: RequestId,
+    leg: LegKind,
+    attempt: int,
+    auth_header: str | None,
 ) -> dict[str, str]:
-    """``base`` (content type, validated trace headers) plus this leg's id and backend key."""
+    """``base`` (content type, validated trace headers) plus this leg's own id
+    (:func:`~pdproxy.request_ids.leg_request_id`) and the backend's key."""
     out = dict(base)
-    out[REQUEST_ID_HEADER] = leg_id
+    out[REQUEST_ID_HEADER] = leg_request_id(request_id, leg, attempt)
     if auth_header is not None:
         out["authorization"] = auth_header
     return out

@@ -97,21 +97,15 @@ async def read_body(
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def brings_kv_params(data: Mapping[str, Any]) -> bool:
-    """The client set ``kv_transfer_params`` (top level, or inside ``vllm_xargs``, which vLLM
-    merges into the request's extra arguments). Either names hosts an engine would connect
-    to, so only trusted keys may."""
-    if "kv_transfer_params" in data:
-        return True
-    xargs = data.get("vllm_xargs")
-    return isinstance(xargs, Mapping) and "kv_transfer_params" in xargs
-
-
 def check_kv_params(data: Mapping[str, Any], trusted: bool) -> bool:
     """True when the request passes its own ``kv_transfer_params`` through (trusted caller);
-    400 for anyone else who tries."""
-    if not brings_kv_params(data):
-        return False
+    400 for anyone else who tries. They count at the top level and inside ``vllm_xargs`` (which
+    vLLM merges into the request's extra arguments): either names hosts an engine would
+    connect to."""
+    if "kv_transfer_params" not in data:
+        xargs = data.get("vllm_xargs")
+        if not isinstance(xargs, Mapping) or "kv_transfer_params" not in xargs:
+            return False
     if not trusted:
         raise ClientRequestError(
             400,

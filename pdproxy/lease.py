@@ -56,13 +56,13 @@ class BackendHold:
     """One leg on one backend: counted in flight (and as the breaker's half-open probe) from
     creation until :meth:`release`, which the lease also calls at close (idempotent)."""
 
-    __slots__ = ("_lease", "_open", "_settled", "backend")
+    __slots__ = ("_lease", "_settled", "backend", "open")
 
     def __init__(self, backend: Backend, lease: RequestLease) -> None:
         backend.begin()
         self.backend = backend
         self._lease = lease
-        self._open = True
+        self.open = True
         self._settled = False
 
     def succeeded(self) -> None:
@@ -81,8 +81,8 @@ class BackendHold:
         self._lease.suspect(self.backend, failure_kind(exc))
 
     def release(self) -> None:
-        if self._open:
-            self._open = False
+        if self.open:
+            self.open = False
             self.backend.end()
             if not self._settled:  # cancelled: no outcome
                 self._settled = True
@@ -187,7 +187,8 @@ class RequestLease:
             return
         self._closed = True
         for hold in self._holds:
-            hold.release()
+            if hold.open:
+                hold.release()
         if self.canceller is not None:
             self.canceller.close()
         if self.supply is not None and not ok:

@@ -26,7 +26,6 @@ from pdproxy.legs import (
 )
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.release import Supply
-from pdproxy.request_ids import leg_request_id
 from pdproxy.retry import RetryPolicy
 from pdproxy.settings import Dialect
 from pdproxy.upstream import Upstream
@@ -54,7 +53,7 @@ class ProducerPhase:
         assert canceller is not None
         path = ROUTE_PATHS[lease.route]
         t = time.perf_counter()
-        deadline = self._retry.producer_deadline()
+        deadline = t + self._retry.producer_budget_s
         try:
             for attempt, producer in enumerate(producers[: self._retry.producer_attempts]):
                 if attempt:
@@ -65,9 +64,8 @@ class ProducerPhase:
                 supply = Supply(producer, kv_id, dialect)
                 leg = producer_body(body, producer_kv_params(dialect, kv_id))
                 headers = leg_headers(
-                    base, leg_request_id(lease.request_id, "producer", attempt),
-                    producer.auth_header,
-                )  # fmt: skip
+                    base, lease.request_id, "producer", attempt, producer.auth_header
+                )
                 address = producer.kv_address
                 t_leg = time.perf_counter()
                 hold = lease.hold(producer)

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import orjson
 
 from pdproxy.backends import Backend
-from pdproxy.headers import leg_headers
 from pdproxy.legs import KvRequestId
 from pdproxy.metrics import ProxyMetrics
-from pdproxy.request_ids import LegRequestId
+from pdproxy.request_ids import REQUEST_ID_HEADER, LegRequestId
 from pdproxy.settings import Dialect
 from pdproxy.upstream import Upstream
 
@@ -52,9 +51,9 @@ class SupplyReleaser:
 
     async def _send(self, supply: Supply, request_id: LegRequestId) -> None:
         producer = supply.producer
-        headers = leg_headers(
-            {"content-type": "application/json"}, request_id, producer.auth_header
-        )
+        headers = {"content-type": "application/json", REQUEST_ID_HEADER: request_id}
+        if producer.auth_header is not None:
+            headers["authorization"] = producer.auth_header
         body = orjson.dumps({"kv_request_id": supply.kv_request_id})
         try:
             status = await self._upstream.post_json(producer.url + RELEASE_PATH, body, headers)

@@ -21,8 +21,9 @@ RequestId = NewType("RequestId", str)
 LegRequestId = NewType("LegRequestId", str)
 """The ``X-Request-Id`` one upstream leg carries: unique per leg and attempt."""
 
+LegKind = Literal["producer", "consumer", "release"]
 REQUEST_ID_HEADER = "x-request-id"
-_LEG_LETTER = {"producer": "p", "consumer": "d", "release": "r"}
+_LEG_SUFFIX = {"producer": "-p", "consumer": "-d", "release": "-r"}
 _SANE_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:@+=/-]{1,128}$")
 
 
@@ -30,11 +31,9 @@ def new_request_id() -> RequestId:
     return RequestId(os.urandom(16).hex())
 
 
-def leg_request_id(
-    request_id: RequestId, leg: Literal["producer", "consumer", "release"], attempt: int
-) -> LegRequestId:
+def leg_request_id(request_id: RequestId, leg: LegKind, attempt: int) -> LegRequestId:
     """``<request id>-p0``, ``-d1``, ``-r0``...: one per upstream call, never reused."""
-    return LegRequestId(f"{request_id}-{_LEG_LETTER[leg]}{attempt}")
+    return LegRequestId(f"{request_id}{_LEG_SUFFIX[leg]}{attempt}")
 
 
 def client_request_id(headers: Headers) -> str | None:

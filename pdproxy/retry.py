@@ -26,11 +26,9 @@ class RetryPolicy:
         self._rng = random.Random()
         self.producer_attempts = settings.producer_attempts
         self.consumer_attempts = settings.consumer_attempts
-
-    def producer_deadline(self) -> float:
-        """When the producer phase must stop retrying (``perf_counter`` time). Consumers have
-        no budget (``NO_DEADLINE``): a consumer is the last resort."""
-        return time.perf_counter() + self._settings.budget_s
+        self.producer_budget_s = settings.budget_s
+        """How long the producer phase may retry; consumers have no budget (``NO_DEADLINE``):
+        a consumer is the last resort."""
 
     def backoff(self, attempt: int) -> float:
         """Uniform in [cap/2, cap], the cap doubling per retry up to ``backoff_max_s``."""
