@@ -9,7 +9,15 @@ For non-stream and a 64-chunk stream at concurrency 1, 16 and 64, prints req/s, 
 latency, p50 time to first chunk (TTFC), proxy CPU ms per request, and the ratios against the
 floor. Bounded: each cell runs for ``--duration`` seconds or ``--max-requests`` requests.
 
-    python -m loadtest.bench_proxy [--duration 2] [--max-requests 4000] [--dialect nixl]
+``--baseline-tree DIR`` also runs a second proxy from another checkout (e.g. the code before a
+change) in the same run, each of its cells right before the same cell of this tree's proxy, and
+prints this proxy's CPU per request as a ratio of the baseline's: on a noisy machine a before /
+after comparison is only meaningful within one run. ``--rounds N`` runs each cell N times,
+alternating the modes (floor, baseline, proxy), and adds them up, so load drift hits every mode
+alike.
+
+    python -m loadtest.bench_proxy [--duration 2] [--max-requests 4000] [--rounds 1]
+        [--baseline-tree DIR]
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import aiohttp
@@ -157,9 +165,9 @@ async def _run_cell(
 
 @contextlib.contextmanager
 def _process(
-    args: list[str], env: dict[str, str] | None = None
+    args: list[str], env: dict[str, str] | None = None, cwd: str | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, cwd=cwd)
     try:
         yield proc
     finally:
@@ -181,49 +189,98 @@ async def _wait_ready(session: aiohttp.ClientSession, url: str) -> None:
     raise RuntimeError(f"{url} never became ready")
 
 
+@dataclass
+class _Sum:
+    """One cell's rounds added up."""
+
+    lat: list[float] = field(default_factory=list)
+    ttfc: list[float] = field(default_factory=list)
+    errors: int = 0
+    secs: float = 0.0
+    cpu: float = 0.0
+    own: float = 0.0
+
+    def add(
+        self, lat: list[float], ttfc: list[float], *, errors: int, secs: float, cpu: float,
+        own: float,
+    ) -> None:  # fmt: skip
+        self.lat += lat
+        self.ttfc += ttfc
+        self.errors += errors
+        self.secs += secs
+        self.cpu += cpu
+        self.own += own
+
+    def cell(self, mode: str, kind: str, conc: int) -> Cell:
+        n = len(self.lat)
+        return Cell(
+            mode, kind, conc, n, self.errors, self.secs,
+            _pct(self.lat, 0.5) * 1e3, _pct(self.lat, 0.99) * 1e3,
+            statistics.median(self.ttfc) * 1e3 if self.ttfc else float("nan"),
+            self.cpu * 1e3 / n if mode != "floor" and n else None,
+            self.own * 1e3 / n if n else float("nan"),
+        )  # fmt: skip
+
+
+def _proxy_argv(port: int, p_url: str, d_url: str) -> list[str]:
+    return [sys.executable, "-m", "pdproxy.cli", "serve", "--port", str(port),
+            "--producer", p_url, "--consumer", d_url, "--dialect", "nixl",
+            "--log-level", "warning"]  # fmt: skip
+
+
 async def _bench(args: argparse.Namespace) -> list[Cell]:
-    p_port, d_port, x_port = _free_port(), _free_port(), _free_port()
+    p_port, d_port, x_port, b_port = _free_port(), _free_port(), _free_port(), _free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    proxy_url = f"http://127.0.0.1:{x_port}"
+    proxy_url, baseline_url = f"http://127.0.0.1:{x_port}", f"http://127.0.0.1:{b_port}"
     env = {**os.environ, "PDPROXY_HEALTH__ENABLED": "false"}
     backends = [sys.executable, "-m", "loadtest.fake_backend", "--chunks", "64",
                 "--listen", f"P={p_port}", "--listen", f"D={d_port}"]  # fmt: skip
-    proxy = [sys.executable, "-m", "pdproxy.cli", "serve", "--port", str(x_port),
-             "--producer", p_url, "--consumer", d_url, "--dialect", "nixl",
-             "--log-level", "warning"]  # fmt: skip
+    baseline_tree: str | None = args.baseline_tree
+    modes = ("floor", "baseline", "pdproxy") if baseline_tree else ("floor", "pdproxy")
     cells: list[Cell] = []
-    with _process(backends), _process(proxy, env) as proxy_proc:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_process(backends))
+        pids = {"pdproxy": stack.enter_context(_process(_proxy_argv(x_port, p_url, d_url), env))}
+        if baseline_tree:
+            # ``-m`` puts the working directory first on sys.path: run it from the other tree.
+            old_env = {**env, "PYTHONPATH": baseline_tree}
+            argv = _proxy_argv(b_port, p_url, d_url)
+            pids["baseline"] = stack.enter_context(_process(argv, old_env, cwd=baseline_tree))
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             await _wait_ready(session, p_url + "/health")
             await _wait_ready(session, d_url + "/health")
             await _wait_ready(session, proxy_url + "/ready")
-            load = Load(session, p_url, d_url, proxy_url)
-            for stream in (False, True):  # warm up both paths and connection pools
-                await _run_cell(partial(load.floor, stream), 8, 0.5, 200)
-                await _run_cell(partial(load.via_proxy, stream), 8, 0.5, 200)
+            loads = {"pdproxy": Load(session, p_url, d_url, proxy_url)}
+            if baseline_tree:
+                await _wait_ready(session, baseline_url + "/ready")
+                loads["baseline"] = Load(session, p_url, d_url, baseline_url)
+            for stream in (False, True):  # warm up every path and connection pool
+                for load in loads.values():
+                    await _run_cell(partial(load.floor, stream), 8, 0.5, 200)
+                    await _run_cell(partial(load.via_proxy, stream), 8, 0.5, 200)
             for stream in (False, True):
                 kind = "stream64" if stream else "nonstream"
                 for conc in args.concurrency:
-                    for mode in ("floor", "pdproxy"):
-                        call = load.floor if mode == "floor" else load.via_proxy
-                        cpu0 = _cpu_seconds(proxy_proc.pid)
-                        own0 = time.process_time()
-                        lat, ttfc, errors, secs = await _run_cell(
-                            partial(call, stream), conc, args.duration, args.max_requests
-                        )
-                        cpu = _cpu_seconds(proxy_proc.pid) - cpu0
-                        own = time.process_time() - own0
-                        n = len(lat)
-                        cells.append(
-                            Cell(
-                                mode, kind, conc, n, errors, secs,
-                                _pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3,
-                                statistics.median(ttfc) * 1e3 if ttfc else float("nan"),
-                                cpu * 1e3 / n if mode == "pdproxy" and n else None,
-                                own * 1e3 / n if n else float("nan"),
+                    # Rounds alternate the modes so that load drift on a shared machine hits
+                    # each mode alike; a cell sums its rounds.
+                    sums: dict[str, _Sum] = {mode: _Sum() for mode in modes}
+                    for _ in range(args.rounds):
+                        for mode in modes:
+                            load = loads.get(mode, loads["pdproxy"])
+                            call = load.floor if mode == "floor" else load.via_proxy
+                            proc = pids.get(mode, pids["pdproxy"])
+                            cpu0 = _cpu_seconds(proc.pid)
+                            own0 = time.process_time()
+                            lat, ttfc, errors, secs = await _run_cell(
+                                partial(call, stream), conc, args.duration, args.max_requests
                             )
-                        )  # fmt: skip
+                            sums[mode].add(
+                                lat, ttfc, errors=errors, secs=secs,
+                                cpu=_cpu_seconds(proc.pid) - cpu0,
+                                own=time.process_time() - own0,
+                            )  # fmt: skip
+                    cells.extend(sums[mode].cell(mode, kind, conc) for mode in modes)
     return cells
 
 
@@ -241,6 +298,7 @@ def _report(cells: list[Cell]) -> None:
         )
     print("\nproxy vs floor (same run):")
     floors = {(c.kind, c.concurrency): c for c in cells if c.mode == "floor"}
+    baselines = {(c.kind, c.concurrency): c for c in cells if c.mode == "baseline"}
     for cell in cells:
         if cell.mode != "pdproxy":
             continue
@@ -251,6 +309,19 @@ def _report(cells: list[Cell]) -> None:
             f"TTFC +{cell.ttfc_p50_ms - floor.ttfc_p50_ms:.2f} ms  "
             f"proxy CPU {cell.proxy_cpu_ms:.3f} ms/req (target <= 0.3)"
         )
+    if not baselines:
+        return
+    print("\nthis proxy vs the baseline tree (same run; CPU ratio < 1 is cheaper):")
+    for cell in cells:
+        base = baselines.get((cell.kind, cell.concurrency))
+        if cell.mode != "pdproxy" or base is None:
+            continue
+        assert cell.proxy_cpu_ms is not None and base.proxy_cpu_ms is not None
+        print(
+            f"  {cell.kind:<10} c={cell.concurrency:<3} CPU/req {base.proxy_cpu_ms:.3f} -> "
+            f"{cell.proxy_cpu_ms:.3f} ms (x{cell.proxy_cpu_ms / base.proxy_cpu_ms:.2f})  "
+            f"req/s x{cell.rps / base.rps:.2f}  p50 {base.p50_ms:.2f} -> {cell.p50_ms:.2f} ms"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -258,6 +329,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per cell")
     parser.add_argument("--max-requests", type=int, default=4000, help="requests per cell")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run each cell this many times, alternating the modes, and add them up",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline-tree", metavar="DIR",
+        help="another checkout whose proxy is measured in the same run (before/after)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         import uvloop

@@ -109,7 +109,7 @@ class FakeBackend:
         return [r for r in self.completions() if not r.is_producer_leg]
 
     async def start(self) -> FakeBackend:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 2**20)  # near-limit prompts pass
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_post("/v1/kv/release", self._release)
@@ -153,6 +153,7 @@ class FakeBackend:
         return web.Response(status=self.behavior.health_status, text="")
 
     async def _models(self, request: web.Request) -> web.Response:
+        await self._record(request)
         body = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 

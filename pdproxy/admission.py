@@ -30,10 +30,17 @@ class Admission:
     def queue_depth(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self) -> None:
+    def try_acquire(self) -> bool:
+        """Take a free slot now if there is one (no queue ahead)."""
         if self._active < self._settings.max_concurrent and not self._waiters:
             self._active += 1
-            return
+            return True
+        return False
+
+    async def acquire(self) -> bool:
+        """Take a slot; True when the request had to wait in the queue for it."""
+        if self.try_acquire():
+            return False
         if len(self._waiters) >= self._settings.queue_size:
             raise Overloaded("too many requests in flight; queue is full", self._retry_after)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -43,7 +50,7 @@ class Admission:
                 await waiter
         except TimeoutError as exc:
             if waiter.done() and not waiter.cancelled():
-                return  # the slot arrived as the timer fired: keep it
+                return True  # the slot arrived as the timer fired: keep it
             raise Overloaded("timed out waiting for a free slot", self._retry_after) from exc
         except BaseException:
             if waiter.done() and not waiter.cancelled():
@@ -54,6 +61,7 @@ class Admission:
                 waiter.cancel()
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
+        return True
 
     def release(self) -> None:
         while self._waiters:

@@ -2,6 +2,14 @@
 
 The hot routes are plain Starlette routes (no FastAPI dependency solving, no
 ``BaseHTTPMiddleware``); everything the app needs hangs off one :class:`ProxyState`.
+
+Who may connect: any client that reaches the listener. With ``api_keys`` set, the completion
+routes and ``/v1/models`` need a key (trusted keys may also pass ``kv_transfer_params``);
+``/health``, ``/ready`` and ``/metrics`` are open (bind the listener accordingly); ``/admin``
+needs the admin key and is off without one. What a client can make the proxy do: one
+admitted request at a time per slot (``admission``), bodies bounded in size and read time,
+open connections capped (``admission.max_connections``, enforced by the server: ``pdproxy
+serve`` passes it to uvicorn), upstream legs only to configured backends.
 """
 
 from __future__ import annotations
@@ -23,14 +31,16 @@ from pdproxy import __version__
 from pdproxy.admin import AdminApi
 from pdproxy.admission import Admission
 from pdproxy.backends import BackendRegistry
+from pdproxy.errors import ClientRequestError
 from pdproxy.health import HealthChecker
-from pdproxy.http_errors import error_response
+from pdproxy.http_errors import client_error_response, error_response
+from pdproxy.intake import ClientKeys
 from pdproxy.metrics import ProxyMetrics
-from pdproxy.models import aggregate_models
+from pdproxy.models import ModelList
 from pdproxy.request_path import RequestPath
 from pdproxy.routing.base import Router
 from pdproxy.routing.factory import build_router
-from pdproxy.settings import ProxySettings
+from pdproxy.settings import Dialect, ProxySettings
 from pdproxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -59,7 +69,8 @@ class ProxyState:
             )
         )
         self.upstream = Upstream(settings.timeouts, settings.upstream)
-        self.health = HealthChecker(settings.health, self.registry, self.upstream)
+        self.health = HealthChecker(settings.health, self.registry, self.upstream, self.metrics)
+        self.models = ModelList(self.registry, self.upstream, settings.models_cache_s)
         self.request_path = RequestPath(
             settings=settings,
             registry=self.registry,
@@ -67,6 +78,7 @@ class ProxyState:
             upstream=self.upstream,
             metrics=self.metrics,
             admission=self.admission,
+            health=self.health,
         )
         self.draining = False
 
@@ -77,12 +89,18 @@ class ProxyState:
         self.draining = True
 
     async def start(self) -> None:
-        await self.upstream.start()
+        for backend in self.registry.all():
+            if backend.dialect is not Dialect.NONE and backend.config.kv_address is None:
+                log.warning(
+                    "backend %s has no kv_address: the KV address its answers name is not "
+                    "checked", backend.name,
+                )  # fmt: skip
         await self.router.start()
         await self.health.start()
 
     async def close(self) -> None:
         await self.health.close()
+        await self.models.close()
         await self.request_path.drain_background(self.settings.timeouts.release_s)
         await self.router.close()
         await self.upstream.close()
@@ -155,8 +173,14 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await path.handle(request, "chat")
 
-    async def models(_: Request) -> Response:
-        return _json(await aggregate_models(state.registry, state.upstream))
+    keys = ClientKeys(settings.api_keys)
+
+    async def models(request: Request) -> Response:
+        try:
+            keys.authenticate(request.headers)
+        except ClientRequestError as exc:
+            return client_error_response(exc)
+        return Response(await state.models.body(), media_type="application/json")
 
     async def health(_: Request) -> Response:
         return _json({"status": "ok"})

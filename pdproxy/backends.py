@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from pdproxy.breaker import CircuitBreaker
 from pdproxy.errors import ConfigError
@@ -24,6 +23,7 @@ class Backend:
         "health_failures",
         "health_successes",
         "healthy",
+        "kv_address",
         "removed",
     )
 
@@ -38,6 +38,8 @@ class Backend:
         self._in_flight = 0
         key = config.api_key.get_secret_value() if config.api_key is not None else ""
         self.auth_header: str | None = f"Bearer {key}" if key else None
+        self.kv_address = config.kv_host_port
+        """Where this producer's answers must say its KV is (None: not checked)."""
 
     @property
     def name(self) -> str:
@@ -71,21 +73,13 @@ class Backend:
         return self.config.role is role or self.config.role is Role.BOTH
 
     def begin(self) -> None:
-        """A request is about to be sent: count it in flight (and as the half-open probe)."""
+        """A leg is about to be sent: count it in flight (and as the half-open probe). Called
+        only by :class:`pdproxy.lease.BackendHold`, which calls :meth:`end` exactly once."""
         self.breaker.on_attempt()
         self._in_flight += 1
 
     def end(self) -> None:
         self._in_flight -= 1
-
-    @contextmanager
-    def attempt(self) -> Iterator[None]:
-        """Count one in-flight request on this backend for the block's duration."""
-        self.begin()
-        try:
-            yield
-        finally:
-            self.end()
 
 
 class BackendRegistry:

@@ -1,4 +1,8 @@
-"""A circuit breaker per backend, fed by real request outcomes.
+"""A circuit breaker per backend, fed by request outcomes the backend is to blame for.
+
+The request's lease (:mod:`pdproxy.lease`) decides what counts: a success records one; a failed
+leg counts only once the same request succeeded elsewhere, or a health check failed too
+(:meth:`pdproxy.health.HealthChecker.confirm`); a 4xx or an abandoned leg is no verdict.
 
 Closed: traffic flows; ``failure_threshold`` consecutive failures open it. Open: no traffic for
 ``open_s``; then half-open: exactly one probe request is let through. The probe's success closes

@@ -46,10 +46,6 @@ class RequestCanceller:
             self._armed = False
             self._task.cancel()
 
-    @property
-    def fired(self) -> bool:
-        return self.reason is not None
-
     @contextmanager
     def armed(self) -> Iterator[None]:
         """Within the block, a disconnect (or idle timeout) cancels the request's task."""

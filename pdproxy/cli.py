@@ -109,6 +109,7 @@ def run_server(settings: ProxySettings) -> None:
         server_header=False,
         log_level=settings.log_level,
         timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
+        limit_concurrency=settings.admission.max_connections,
         lifespan="on",
     )
     DrainingServer(config, proxy_state(app)).run()

@@ -7,8 +7,10 @@ Hierarchy::
     ├── NoBackendAvailable     no routable consumer exists (503)
     ├── ClientRequestError     the client's request is refused before any leg (status + code)
     │   ├── BodyTooLarge       413 while reading the body
+    │   ├── BodyReadTimeout    408: the body did not arrive within its deadline
     │   └── Overloaded         admission queue full or wait timed out (429 + Retry-After)
     ├── LegFailed              an upstream leg failed (connect, timeout, retryable status)
+    │   └── KvAddressMismatch  a producer named a KV address other than its configured one
     ├── LegRefused             an upstream answered a client error (4xx): relayed as is
     └── HttpClientError        the upstream HTTP/1.1 client (pdproxy.http1): the connection
         │                      failed or closed early, or the answer is not acceptable HTTP/1.1
@@ -69,6 +71,18 @@ class BodyTooLarge(ClientRequestError):
         )
 
 
+class BodyReadTimeout(ClientRequestError):
+    """The body did not arrive within ``body_read_timeout_s`` (408; the connection is closed)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            408,
+            f"request body not received within {timeout_s:g} s",
+            code="request_timeout",
+            headers={"connection": "close"},
+        )
+
+
 class Overloaded(ClientRequestError):
     """Admission refused the request: the wait queue is full or the wait timed out (429)."""
 
@@ -118,6 +132,11 @@ class LegRefused(ProxyError):
         self.status = status
         self.body = body
         self.content_type = content_type
+
+
+class KvAddressMismatch(LegFailed):
+    """A producer's answer named a ``remote_host``/``remote_port`` other than the KV address
+    configured for it: the consumer must not be sent there."""
 
 
 class HttpClientError(ProxyError):

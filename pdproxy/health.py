@@ -3,6 +3,11 @@
 A backend turns unhealthy after ``unhealthy_threshold`` consecutive failed checks and healthy
 again after ``healthy_threshold`` consecutive good ones, so an ejected backend comes back by
 itself. Checks run concurrently and are bounded by the health-check timeout.
+
+:meth:`HealthChecker.confirm` is the breaker's witness: a request that failed on every backend
+it tried cannot tell whose fault it was, so each backend it suspects is checked at once (at
+most one check in flight per backend, whether or not periodic checks are enabled) and the
+breaker counts the failure only when the check fails too.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import logging
 
 from pdproxy.backends import Backend, BackendRegistry
+from pdproxy.metrics import ProxyMetrics
 from pdproxy.settings import HealthSettings
 from pdproxy.upstream import Upstream
 
@@ -20,18 +26,29 @@ log = logging.getLogger(__name__)
 
 class HealthChecker:
     def __init__(
-        self, settings: HealthSettings, registry: BackendRegistry, upstream: Upstream
+        self,
+        settings: HealthSettings,
+        registry: BackendRegistry,
+        upstream: Upstream,
+        metrics: ProxyMetrics | None = None,
     ) -> None:
         self._settings = settings
         self._registry = registry
         self._upstream = upstream
+        self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
+        self._confirming: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
         if self._settings.enabled and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
+        confirming = list(self._confirming.values())
+        self._confirming.clear()
+        for task in confirming:
+            task.cancel()
+        await asyncio.gather(*confirming, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -49,16 +66,37 @@ class HealthChecker:
             await asyncio.gather(*(self.check(b) for b in backends))
 
     async def check(self, backend: Backend) -> None:
+        self.record(backend, await self._probe(backend))
+
+    async def _probe(self, backend: Backend) -> bool:
         try:
             status, _ = await self._upstream.get(
                 backend.url + backend.config.health_path,
                 {"authorization": backend.auth_header} if backend.auth_header else None,
             )
-            ok = status < 400
         except Exception as exc:
             log.debug("health check of %s failed: %r", backend.name, exc)
-            ok = False
-        self.record(backend, ok)
+            return False
+        return status < 400
+
+    def confirm(self, backend: Backend) -> None:
+        """Check ``backend`` now; its breaker counts a failure only if the check fails."""
+        if backend.name in self._confirming:
+            return
+        task = asyncio.get_running_loop().create_task(self._confirm(backend))
+        self._confirming[backend.name] = task
+
+    async def _confirm(self, backend: Backend) -> None:
+        try:
+            ok = await self._probe(backend)
+        finally:
+            self._confirming.pop(backend.name, None)
+        if self._metrics is not None:
+            self._metrics.breaker_confirmations.labels(
+                backend.name, "healthy" if ok else "failed"
+            ).inc()
+        if not ok:
+            backend.breaker.record_failure()
 
     def record(self, backend: Backend, ok: bool) -> None:
         s = self._settings

@@ -1,8 +1,11 @@
 """Leg building: pure functions from the client's body to each leg's body.
 
 Producer leg: the client's body with ``stream: false``, ``max_tokens: 1`` (added if absent),
-``max_completion_tokens: 1`` if present, ``stream_options``, ``min_tokens`` and
-``min_completion_tokens`` removed, and the dialect's ``kv_transfer_params``.
+``max_completion_tokens: 1`` if present, the dialect's ``kv_transfer_params``, and the fields
+that only shape the answer removed (:data:`PRODUCER_REMOVED_FIELDS`): ``stream_options``,
+``min_tokens``, ``min_completion_tokens`` (a one-token leg), ``echo``, ``logprobs``,
+``top_logprobs``, ``n``, ``best_of`` (work on an answer nobody reads; ``top_logprobs`` goes with
+``logprobs`` because chat engines refuse one without the other).
 
 Consumer leg: the client's body with only ``kv_transfer_params`` set (NIXL: the producer's
 returned object verbatim; P2P: ``remote_prefiller`` built from the producer's answer), or the
@@ -20,12 +23,24 @@ from typing import Any, NewType
 import orjson
 
 from pdproxy.body import ClientBody
-from pdproxy.errors import LegFailed
+from pdproxy.errors import KvAddressMismatch, LegFailed
 from pdproxy.settings import Dialect
 
 KvRequestId = NewType("KvRequestId", str)
 
-PRODUCER_REMOVED_FIELDS = ("stream_options", "min_tokens", "min_completion_tokens")
+ROUTE_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+"""The upstream path of each client route; both legs use the client's route."""
+
+PRODUCER_REMOVED_FIELDS = (
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "n",
+    "best_of",
+)
 
 
 def new_kv_request_id() -> KvRequestId:
@@ -69,12 +84,18 @@ def consumer_body(body: ClientBody, kv_params: Mapping[str, Any] | None) -> byte
 
 
 def consumer_kv_params(
-    dialect: Dialect, producer: str, answer: bytes, kv_request_id: KvRequestId
+    dialect: Dialect,
+    producer: str,
+    answer: bytes,
+    kv_request_id: KvRequestId,
+    kv_address: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """Build the consumer's ``kv_transfer_params`` from the producer's JSON answer.
 
-    Raises :class:`LegFailed` when the answer lacks what the dialect needs: the producer leg
-    then counts as failed (retry elsewhere or fall back to the consumer alone).
+    Raises :class:`LegFailed` when the answer lacks what the dialect needs, and
+    :class:`KvAddressMismatch` when ``kv_address`` (the producer's configured one) is given and
+    the answer's ``remote_host``/``remote_port`` differ: the producer leg then counts as failed
+    (retry elsewhere or fall back to the consumer alone).
     """
     try:
         parsed = orjson.loads(answer)
@@ -83,6 +104,8 @@ def consumer_kv_params(
     kvp = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
     if not isinstance(kvp, dict):
         raise LegFailed(producer, "producer answer has no kv_transfer_params object")
+    if kv_address is not None:
+        _check_address(producer, kvp, kv_address)
     if dialect is Dialect.NIXL:
         return kvp
     if dialect is Dialect.P2P:
@@ -100,3 +123,12 @@ def consumer_kv_params(
             }
         }
     raise ValueError(f"dialect {dialect} has no consumer kv_transfer_params")
+
+
+def _check_address(producer: str, kvp: Mapping[str, Any], expected: tuple[str, int]) -> None:
+    host, port = kvp.get("remote_host"), kvp.get("remote_port")
+    named = host.strip("[]").lower() if isinstance(host, str) else None
+    if named != expected[0].lower() or port != expected[1] or isinstance(port, bool):
+        raise KvAddressMismatch(
+            producer, f"producer named KV address {host!r}:{port!r}, not its configured one"
+        )

@@ -86,6 +86,32 @@ class ProxyMetrics:
         self.releases = Counter(
             "pdproxy_kv_releases", "P2P supply releases sent to producers", ["result"], registry=r
         )
+        self.upstream_failures = Counter(
+            "pdproxy_upstream_failures",
+            "Failed upstream legs by backend and kind (transport, timeout, status_5xx, "
+            "status_429, kv_address, consumer_stream_broken, consumer_idle): the details "
+            "clients are not told",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.breaker_confirmations = Counter(
+            "pdproxy_breaker_confirmations",
+            "Health checks run to confirm a failure no other backend disproved, by result",
+            ["backend", "result"],
+            registry=r,
+        )
+        self.kv_address_mismatches = Counter(
+            "pdproxy_kv_address_mismatches",
+            "Producer answers refused for naming a remote_host/remote_port other than the "
+            "backend's kv_address",
+            ["backend"],
+            registry=r,
+        )
+        self.body_read_timeouts = Counter(
+            "pdproxy_body_read_timeouts",
+            "Requests whose body did not arrive within body_read_timeout_s",
+            registry=r,
+        )
         r.register(_LiveCollector(backends, queue_depth))
         self._children: dict[tuple[object, ...], Any] = {}
 
@@ -106,3 +132,6 @@ class ProxyMetrics:
 
     def observe_ttfb(self, route: str, seconds: float) -> None:
         self._child(self.ttfb, route).observe(seconds)
+
+    def upstream_failure(self, backend: str, kind: str) -> None:
+        self._child(self.upstream_failures, backend, kind).inc()

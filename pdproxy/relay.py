@@ -3,59 +3,86 @@
 Committed only after the consumer's headers and first chunk arrived (so a failure before that
 can still be retried elsewhere). A failure afterwards ends the stream with an OpenAI-shaped
 error event and a clean close. The client leaving or the consumer going quiet for
-``consumer_idle_s`` cancels the read at once and closes the upstream connection.
+``consumer_idle_s`` cancels the read at once and closes the upstream connection. The relay only
+reports what happened; the request's lease (:mod:`pdproxy.lease`) gives everything back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import re
+import time
+from typing import TYPE_CHECKING
 
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.datastructures import MutableHeaders
+from starlette.types import Send
 
 from pdproxy.cancel import CLIENT_DISCONNECT, IdleWatchdog, RequestCanceller
-from pdproxy.exchange import Exchange, find_cached_tokens
 from pdproxy.http1 import HttpClientError
 from pdproxy.http1 import Response as UpstreamResponse
 from pdproxy.http_errors import stream_error_event
 
+if TYPE_CHECKING:
+    from pdproxy.lease import BackendHold, RequestLease
+
 log = logging.getLogger(__name__)
 
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
-class RelayResponse(Response):
+
+def find_cached_tokens(data: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` from a consumer body or its last chunks."""
+    found = _CACHED_TOKENS.findall(data)
+    return int(found[-1]) if found else None
+
+
+class Relay:
+    """A committed consumer stream, ready to be sent to the client."""
+
+    __slots__ = (
+        "_canceller", "_first", "_hold", "_idle_s", "_t0", "_upstream", "raw_headers",
+        "status_code",
+    )  # fmt: skip
+
     def __init__(
         self,
         *,
-        exchange: Exchange,
         upstream: UpstreamResponse,
         first: bytes,
         status: int,
         headers: dict[str, str],
+        hold: BackendHold,
         canceller: RequestCanceller,
         idle_s: float,
-        on_end: Callable[[Exchange, str | None], Awaitable[None]],
+        t0: float,
     ) -> None:
-        # No super().__init__: without a body, init_headers adds no content-length.
         self.status_code = status
-        self.background = None
-        self.init_headers(headers)
-        self._exchange = exchange
+        self.raw_headers = MutableHeaders(headers).raw
         self._upstream = upstream
         self._first = first
+        self._hold = hold
         self._canceller = canceller
         self._idle_s = idle_s
-        self._on_end = on_end
+        self._t0 = t0
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def run(self, send: Send, lease: RequestLease) -> bool:
+        """Relay the stream; True when it ended cleanly."""
         failure: str | None = "relay_error"
         try:
-            failure = await self._relay(send)
+            failure = await self._relay(send, lease)
         finally:
-            await self._on_end(self._exchange, failure)
+            self._hold.release()
+            backend = self._hold.backend.name
+            lease.observe_leg("consumer", backend, time.perf_counter() - self._t0)
+            if failure == CLIENT_DISCONNECT:
+                lease.disconnected()
+                log.info("request %s: client left mid-stream", lease.request_id)
+            elif failure is not None:
+                lease.suspect(self._hold.backend, failure)
+        return failure is None
 
-    async def _relay(self, send: Send) -> str | None:
+    async def _relay(self, send: Send, lease: RequestLease) -> str | None:
         failure: str | None = None
         prev = b""
         last = self._first
@@ -84,7 +111,7 @@ class RelayResponse(Response):
                 raise
             failure = canceller.reason
         except HttpClientError as exc:
-            log.warning("request %s: consumer stream broke: %r", self._exchange.request_id, exc)
+            log.warning("request %s: consumer stream broke: %r", lease.request_id, exc)
             failure = "consumer_stream_broken"
         finally:
             if watchdog is not None:
@@ -98,6 +125,6 @@ class RelayResponse(Response):
             event = stream_error_event(f"consumer stream ended early: {failure}", failure)
             await send({"type": "http.response.body", "body": tail + event, "more_body": False})
         elif failure is None:
-            self._exchange.cached_tokens = find_cached_tokens(prev + last)
+            lease.cached_tokens = find_cached_tokens(prev + last)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return failure

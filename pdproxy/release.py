@@ -1,8 +1,9 @@
 """P2P supply release: tell a producer to drop a supply that no consumer will fetch.
 
-Sent (fire and forget, tracked so shutdown can wait for it) when the client leaves after the
-producer leg started, when every consumer failed, when a stream broke, and for producer
-attempts that failed or were abandoned. Releases are idempotent on the worker.
+Sent (fire and forget, tracked so shutdown can wait for it) by the request's lease
+(:mod:`pdproxy.lease`): for producer attempts that failed or were abandoned, and at the end of a
+request that did not succeed (client gone, every consumer failed, a stream broke). Releases are
+idempotent on the worker.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 import orjson
 
 from pdproxy.backends import Backend
-from pdproxy.headers import REQUEST_ID, with_backend_auth
 from pdproxy.legs import KvRequestId
 from pdproxy.metrics import ProxyMetrics
+from pdproxy.request_ids import REQUEST_ID_HEADER, LegRequestId
 from pdproxy.settings import Dialect
 from pdproxy.upstream import Upstream
 
@@ -40,7 +41,7 @@ class SupplyReleaser:
         self._metrics = metrics
         self._pending: set[asyncio.Task[None]] = set()
 
-    def release(self, supply: Supply, request_id: str) -> None:
+    def release(self, supply: Supply, request_id: LegRequestId) -> None:
         """Schedule ``POST /v1/kv/release`` for a P2P supply; other dialects have none."""
         if supply.dialect is not Dialect.P2P:
             return
@@ -48,11 +49,11 @@ class SupplyReleaser:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _send(self, supply: Supply, request_id: str) -> None:
+    async def _send(self, supply: Supply, request_id: LegRequestId) -> None:
         producer = supply.producer
-        headers = with_backend_auth(
-            {"content-type": "application/json", REQUEST_ID: request_id}, producer.auth_header
-        )
+        headers = {"content-type": "application/json", REQUEST_ID_HEADER: request_id}
+        if producer.auth_header is not None:
+            headers["authorization"] = producer.auth_header
         body = orjson.dumps({"kv_request_id": supply.kv_request_id})
         try:
             status = await self._upstream.post_json(producer.url + RELEASE_PATH, body, headers)

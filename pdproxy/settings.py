@@ -64,6 +64,12 @@ class BackendConfig(BaseModel):
     """The publisher's replay socket (e.g. ``tcp://host:5559``): missed events are asked for
     here. Takes precedence over ``router_options.replay`` for this backend."""
     health_path: str = "/health"
+    kv_address: str | None = None
+    """``host:port`` this producer announces for KV transfer (the P2P server, or NIXL's side
+    channel). A producer answer naming another ``remote_host``/``remote_port`` is refused (the
+    attempt fails over, counted in ``pdproxy_kv_address_mismatches``): the consumer would
+    connect wherever the answer says. Unset: not checked (the proxy warns at start), i.e. the
+    producer is trusted to name itself; set it in production."""
 
     @field_validator("name")
     @classmethod
@@ -87,6 +93,24 @@ class BackendConfig(BaseModel):
         if not value.startswith("/"):
             raise ValueError(f"health_path {value!r} must start with '/'")
         return value
+
+    @field_validator("kv_address")
+    @classmethod
+    def _check_kv_address(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"kv_address {value!r} must be host:port")
+        return value
+
+    @property
+    def kv_host_port(self) -> tuple[str, int] | None:
+        """``kv_address`` split (an IPv6 host loses its brackets)."""
+        if self.kv_address is None:
+            return None
+        host, _, port = self.kv_address.rpartition(":")
+        return host.strip("[]"), int(port)
 
 
 class ApiKey(BaseModel):
@@ -162,12 +186,22 @@ class BreakerSettings(BaseModel):
 
 
 class AdmissionSettings(BaseModel):
+    """A request takes its admission slot before its body is read, so at most
+    ``max_concurrent`` bodies (each at most ``max_body_bytes``) are ever buffered."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_concurrent: int = Field(default=1024, ge=1)
     queue_size: int = Field(default=1024, ge=0)
     queue_timeout_s: float = Field(default=10.0, gt=0)
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+    """4 MiB: a 1M-token text prompt (~4 bytes a token) or ~600k token ids as JSON; images
+    belong in URLs. Bounds the memory one request pins and the CPU its parsing costs."""
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest time to receive a whole body (4 MiB in 30 s is ~140 KB/s): a slow sender is
+    answered 408 and its connection closed, freeing the slot."""
+    max_connections: int = Field(default=4096, ge=1)
+    """Open client connections (uvicorn's ``limit_concurrency``): beyond it, 503 at once."""
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):
@@ -254,6 +288,8 @@ class ProxySettings(BaseSettings):
     """After SIGTERM: seconds with readiness false before the listener closes."""
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """After SIGTERM: the longest in-flight requests may take to finish."""
+    models_cache_s: float = Field(default=5.0, ge=0)
+    """How long ``GET /v1/models`` answers from its last fan-out to the backends."""
     server_timing: bool = True
     debug_headers: bool = False
     """Answer ``x-pdproxy-debug: 1`` with an ``x-pdproxy-route`` header explaining the routing

@@ -53,9 +53,6 @@ class Upstream:
         self._pools: dict[Origin, HostPool] = {}
         self._bases: dict[str, tuple[HostPool, str]] = {}
 
-    async def start(self) -> None:
-        return None
-
     async def close(self) -> None:
         for pool in self._pools.values():
             pool.close()

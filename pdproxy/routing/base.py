@@ -1,8 +1,10 @@
 """The contract between the request path and a router.
 
-The request path (``pdproxy.app``) builds a :class:`RouteRequest`, asks the router for a
-:class:`RouteDecision`, tries the ranked candidates in order (retries and failover walk down the
-lists), and calls :meth:`Router.finished` exactly once per decision, whatever happened. Simple
+The request path (``pdproxy.request_path``) filters the candidates first (role, dialect, routable),
+builds a :class:`RouteRequest`, asks the router for a :class:`RouteDecision` ranking exactly the
+objects it was given, tries them in order (retries and failover walk down the lists), and calls
+:meth:`Router.finished` exactly once per decision, whatever happened. A router keeps what a
+decision charged under the request id, which the request path makes unique. Simple
 routers (round-robin, least-loaded) and the KV-aware router implement the same protocol, so the
 request path never changes when the router does.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from pdproxy.errors import NoBackendAvailable
 
@@ -56,20 +58,28 @@ class BackendView(Protocol):
         ...
 
 
+B = TypeVar("B", bound=BackendView)
+
+
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     request_id: str
+    """Unique per request in flight (the proxy's own id, never the client's)."""
     endpoint: str
     """``"completions"`` or ``"chat"``."""
     body: Mapping[str, Any]
     """The client's parsed JSON body; read-only for routers."""
+    body_bytes: int = 0
+    """Size of the raw body: a cheap bound on everything a chat template can render."""
 
 
 @dataclass(frozen=True, slots=True)
-class RouteDecision:
-    consumers: Sequence[BackendView]
-    """Ranked consumer candidates; the first is the choice, the rest are failover targets."""
-    producers: Sequence[BackendView]
+class RouteDecision(Generic[B]):
+    request_id: str
+    consumers: Sequence[B]
+    """Ranked consumer candidates (objects given to ``route``); the first is the choice, the
+    rest are failover targets."""
+    producers: Sequence[B]
     """Ranked producer candidates; empty means send the request to the consumer alone."""
     reason: str = ""
     """Short human-readable why (e.g. ``"kv-prefix"``, ``"short-suffix"``, ``"round-robin"``)."""
@@ -101,13 +111,14 @@ class Router(Protocol):
     async def route(
         self,
         request: RouteRequest,
-        producers: Sequence[BackendView],
-        consumers: Sequence[BackendView],
-    ) -> RouteDecision:
-        """Rank routable candidates. Raises :class:`NoBackendAvailable` when none can serve."""
+        producers: Sequence[B],
+        consumers: Sequence[B],
+    ) -> RouteDecision[B]:
+        """Rank the candidates given (already filtered by role and dialect); the decision holds
+        the same objects. Raises :class:`NoBackendAvailable` when none can serve."""
         ...
 
-    async def finished(self, decision: RouteDecision, outcome: RequestOutcome) -> None:
+    async def finished(self, decision: RouteDecision[Any], outcome: RequestOutcome) -> None:
         """Called exactly once per decision; must not raise."""
         ...
 

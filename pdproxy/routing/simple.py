@@ -6,10 +6,10 @@ Both rank every routable candidate, so retries and failover walk down the rest o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pdproxy.routing.base import (
-    BackendView,
+    B,
     NoBackendAvailable,
     RequestOutcome,
     RouteDecision,
@@ -37,26 +37,27 @@ class _LoadOnlyRouter:
     async def start(self) -> None:
         return None
 
-    def _rank(self, candidates: list[BackendView]) -> list[BackendView]:
+    def _rank(self, candidates: list[B]) -> list[B]:
         return candidates
 
     async def route(
         self,
         request: RouteRequest,
-        producers: Sequence[BackendView],
-        consumers: Sequence[BackendView],
-    ) -> RouteDecision:
+        producers: Sequence[B],
+        consumers: Sequence[B],
+    ) -> RouteDecision[B]:
         if not consumers:
             raise NoBackendAvailable("no routable consumer")
         turn = self._turn
         self._turn = turn + 1
         return RouteDecision(
+            request_id=request.request_id,
             consumers=self._rank(_rotated(consumers, turn)),
             producers=self._rank(_rotated(producers, turn)),
             reason=self.reason,
         )
 
-    async def finished(self, decision: RouteDecision, outcome: RequestOutcome) -> None:
+    async def finished(self, decision: RouteDecision[Any], outcome: RequestOutcome) -> None:
         return None
 
     async def close(self) -> None:
@@ -74,5 +75,5 @@ class LeastLoadedRouter(_LoadOnlyRouter):
 
     reason = "least-loaded"
 
-    def _rank(self, candidates: list[BackendView]) -> list[BackendView]:
+    def _rank(self, candidates: list[B]) -> list[B]:
         return sorted(candidates, key=lambda b: b.in_flight)  # stable: keeps the rotation

@@ -34,7 +34,7 @@ class OffLoopTokenizer:
         self._threshold = threshold_chars
 
     async def tokenize(self, prompt: TextPrompt | ChatPrompt) -> Sequence[int]:
-        if prompt_chars(prompt) > self._threshold:
+        if prompt_chars(prompt, self._threshold) > self._threshold:
             return await asyncio.to_thread(self._encoder.encode, prompt)
         return self._encoder.encode(prompt)
 

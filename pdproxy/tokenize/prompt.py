@@ -76,13 +76,42 @@ def cache_salt_of(body: Mapping[str, Any]) -> str | None:
     return salt if isinstance(salt, str) and salt else None
 
 
-def prompt_chars(prompt: Prompt) -> int:
-    """A cheap size figure for deciding whether to tokenize off the event loop."""
+def prompt_chars(prompt: Prompt, stop_at: int) -> int:
+    """A size figure for deciding whether to tokenize off the event loop: the characters of
+    everything a chat template can render (roles, contents, the other message keys, tools,
+    template kwargs). The walk stops once past ``stop_at``, so measuring stays cheap."""
     if isinstance(prompt, TextPrompt):
         return len(prompt.text)
     if isinstance(prompt, TokenPrompt):
         return len(prompt.token_ids)
-    return sum(len(m.content) for m in prompt.messages)
+    size = 0
+    for m in prompt.messages:
+        size += len(m.role) + len(m.content)
+        if m.extra:
+            size = _walk_size(m.extra, size, stop_at)
+        if size > stop_at:
+            return size
+    size = _walk_size(prompt.tools, size, stop_at)
+    return _walk_size(prompt.template_kwargs, size, stop_at)
+
+
+def _walk_size(value: object, size: int, stop_at: int) -> int:
+    """``size`` plus the characters of the strings (and one per other scalar) inside ``value``,
+    stopping once past ``stop_at``; iterative, so deep nesting cannot exhaust the stack."""
+    stack: list[object] = [value]
+    while stack and size <= stop_at:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item) + 1
+        elif isinstance(item, Mapping):
+            for k, v in item.items():
+                stack.append(k)
+                stack.append(v)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            size += 1
+    return size
 
 
 def _completion_prompt(body: Mapping[str, Any]) -> Prompt | Unhashable:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,16 @@ def test_bench_http1_runs() -> None:
     rows = [line for line in out.splitlines() if line.startswith(("nonstream", "stream64"))]
     assert {line.split()[2] for line in rows} == {"floor", "http1", "aiohttp"}
     assert len(rows) == 6
+
+
+def test_bench_proxy_compares_against_a_baseline_tree() -> None:
+    repo = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_proxy", "--duration", "0.2",
+         "--max-requests", "40", "--concurrency", "1", "--baseline-tree", repo],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith(("nonstream", "stream64"))]
+    assert len(rows) == 6 and all(line.split()[-1] == "0" for line in rows)
+    assert "this proxy vs the baseline tree" in out
+    assert len([line for line in out.splitlines() if "CPU/req" in line]) == 2

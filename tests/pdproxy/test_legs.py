@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import orjson
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.body import decode_body
+from pdproxy.body import decode_body, has_long_digit_run
 from pdproxy.errors import ClientRequestError, LegFailed
 from pdproxy.legs import (
     PRODUCER_REMOVED_FIELDS,
@@ -285,3 +286,9 @@ def test_lone_surrogates_are_refused_whichever_codec_decodes(raw: bytes) -> None
     with pytest.raises(ClientRequestError) as info:
         decode_body(raw)
     assert info.value.status == 400
+
+
+@given(st.binary(max_size=200))
+def test_long_digit_runs_are_found_like_the_regex(raw: bytes) -> None:
+    for probe in (raw, raw + b"1" * 19, b"9" * 18 + raw):
+        assert has_long_digit_run(probe) == (re.search(rb"\d{19,}", probe) is not None)

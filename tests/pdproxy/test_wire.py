@@ -124,7 +124,7 @@ async def test_nixl_legs_follow_the_rules(
         "do_remote_decode": False,
         "remote_block_ids": [1, 2],
         "remote_engine_id": "engine-P",
-        "remote_request_id": "cmpl-client-rid-1-0",
+        "remote_request_id": f"cmpl-{prod.headers['x-request-id']}-0",
         "remote_host": "127.0.0.1",
         "remote_port": 5600,
         "tp_size": 1,
@@ -134,8 +134,11 @@ async def test_nixl_legs_follow_the_rules(
     if "top_p" in client:
         assert b'"top_p":0.9' in prod.raw and b'"top_p":0.9' in cons.raw
 
+    # Each leg carries its own id, never the client's (issue 15: a reused client id must not
+    # collide on the engines); the client still gets its own id back.
+    assert prod.headers["x-request-id"] != cons.headers["x-request-id"]
     for leg in (prod, cons):
-        assert leg.headers["x-request-id"] == "client-rid-1"
+        assert "client-rid-1" not in leg.headers["x-request-id"]
         assert leg.headers["traceparent"] == TRACEPARENT
         assert leg.headers["tracestate"] == "vendor=1"
         assert "x-custom" not in leg.headers
@@ -225,8 +228,9 @@ async def test_insane_request_id_is_replaced_and_echoed(
         )
     rid = r.headers["x-request-id"]
     assert rid != "bad id\twith spaces" and len(rid) == 32
-    assert p.completions()[0].headers["x-request-id"] == rid
-    assert d.completions()[0].headers["x-request-id"] == rid
+    # Legs are named after the proxy's id: one per leg, so the logs tie them together.
+    assert p.completions()[0].headers["x-request-id"] == f"{rid}-p0"
+    assert d.completions()[0].headers["x-request-id"] == f"{rid}-d0"
 
 
 async def test_client_kv_transfer_params_refused_unless_trusted(

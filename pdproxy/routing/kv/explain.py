@@ -1,20 +1,20 @@
 """A plan turned into the request path's :class:`RouteDecision`, with its explanation.
 
-``explain`` is what the opt-in debug header and the debug log line show: the reason, where the
+``explain`` is what the opt-in debug header (:mod:`pdproxy.routing.explain_header`) and the
+debug log line show: the reason, where the
 residency came from (``memory``, ``redis`` or ``fallback``), the decision time, and per candidate
 its cost, its parts and its matched blocks per tier.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.keys import BlockHash
 from kvtier.residency.types import Match, NodeId
-from pdproxy.routing.base import BackendView, RouteDecision
+from pdproxy.routing.base import B, RouteDecision
 from pdproxy.routing.kv.cost import NO_MATCH, Plan, Score
 
 
@@ -37,15 +37,17 @@ def _rows(scores: Sequence[Score], matches: Mapping[NodeId, Match]) -> list[dict
 def decision_of(
     plan: Plan,
     *,
-    prods: Sequence[BackendView],
-    cons: Sequence[BackendView],
+    request_id: str,
+    prods: Sequence[B],
+    cons: Sequence[B],
     hashed: HashedPrompt | str,
     matches: Mapping[NodeId, Match],
     source: str,
     decided_s: float,
     route_s: float,
-) -> RouteDecision:
-    """``hashed`` is the prompt's hashes, or why it could not be hashed."""
+) -> RouteDecision[B]:
+    """``hashed`` is the prompt's hashes, or why it could not be hashed; the decision ranks
+    the very objects given in ``prods`` and ``cons``."""
     by_p = {b.name: b for b in prods}
     by_c = {b.name: b for b in cons}
     explain: dict[str, Any] = {
@@ -61,6 +63,7 @@ def decision_of(
         explain["unhashable"] = hashed
     load_only = plan.reason == "load-only"
     return RouteDecision(
+        request_id=request_id,
         consumers=[by_c[n] for n in plan.consumers],
         producers=[by_p[n] for n in plan.producers],
         reason=plan.reason,
@@ -69,19 +72,3 @@ def decision_of(
         prompt_tokens=hashed.tokens if isinstance(hashed, HashedPrompt) else None,
         route_time_s=route_s,
     )
-
-
-def debug_header_value(decision: RouteDecision, max_bytes: int = 4096) -> str:
-    """Compact JSON of the decision's explanation for an opt-in response header (ASCII only,
-    truncated to the best candidates when it would exceed ``max_bytes``)."""
-    explain = dict(decision.explain)
-    text = json.dumps(explain, separators=(",", ":"), ensure_ascii=True)
-    for keep in (3, 1, 0):
-        if len(text) <= max_bytes:
-            break
-        for side in ("consumers", "producers"):
-            rows = explain.get(side)
-            if isinstance(rows, list):
-                explain[side] = rows[:keep]
-        text = json.dumps(explain, separators=(",", ":"), ensure_ascii=True)
-    return text

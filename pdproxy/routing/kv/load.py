@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,16 +27,6 @@ class LoadDelta:
 
     def negated(self) -> LoadDelta:
         return LoadDelta(self.node, -self.in_flight, -self.queued_tokens)
-
-
-class LoadTracker(Protocol):
-    async def read(self, nodes: Sequence[str]) -> dict[str, NodeLoad]:
-        """Current load of each of ``nodes`` (zero for nodes never charged)."""
-        ...
-
-    async def add(self, deltas: Sequence[LoadDelta]) -> None:
-        """Apply ``deltas`` atomically per counter."""
-        ...
 
 
 class MemoryLoad:

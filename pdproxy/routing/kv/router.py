@@ -2,8 +2,11 @@
 
 One decision, step by step:
 
-1. The prompt → token ids (by the pool's tokenizer) → chained block hashes. Requests that cannot
-   be hashed faithfully (images, embeddings, tokenizer failure) go on with no prompt: load alone.
+1. The prompt → token ids (by the pool's tokenizer) → chained block hashes of at most
+   ``max_route_blocks`` leading blocks (the decision routes on that prefix, so one huge prompt
+   costs the event loop a bounded amount of hashing, matching and prediction; hashing runs in a
+   thread above ``inline_hash_blocks``). Requests that cannot be hashed faithfully (images,
+   embeddings, tokenizer failure) go on with no prompt: load alone.
 2. ``index.match(hashes)`` and the nodes' load, together (one round trip each with Redis).
 3. :func:`~pdproxy.routing.kv.cost.plan_route` ranks consumers and producers.
 4. The chosen nodes are charged (in flight +1, their uncached prefill tokens queued) and get
@@ -28,7 +31,7 @@ from kvtier.errors import InvalidTokensError, ResidencyError
 from kvtier.keys import BlockHash, BlockHasher
 from kvtier.residency.types import Match, NodeId, ResidencyIndex
 from pdproxy.errors import NoBackendAvailable
-from pdproxy.routing.base import BackendView, RequestOutcome, RouteDecision, RouteRequest
+from pdproxy.routing.base import B, RequestOutcome, RouteDecision, RouteRequest
 from pdproxy.routing.kv.cost import NO_MATCH, NodeState, Plan, PromptShape, held_blocks, plan_route
 from pdproxy.routing.kv.event_feeds import EventFeeds
 from pdproxy.routing.kv.explain import HashedPrompt, decision_of
@@ -50,7 +53,7 @@ T = TypeVar("T")
 class _Ticket:
     """What a decision charged, so ``finished`` releases exactly that."""
 
-    decision: RouteDecision
+    decision: RouteDecision[Any]
     deltas: tuple[LoadDelta, ...]
     shared: bool
     mode: str
@@ -81,7 +84,8 @@ class KvRouter:
         self._local = MemoryLoad()
         self._shared = shared_load
         self._on_close = tuple(on_close)
-        self._tickets: dict[int, _Ticket] = {}
+        self._tickets: dict[str, _Ticket] = {}
+        """What each decision in flight charged, by request id."""
         self._guard: StoreGuard | None = None
         if shared_load is not None:
             self._guard = StoreGuard(
@@ -140,9 +144,9 @@ class KvRouter:
     async def route(
         self,
         request: RouteRequest,
-        producers: Sequence[BackendView],
-        consumers: Sequence[BackendView],
-    ) -> RouteDecision:
+        producers: Sequence[B],
+        consumers: Sequence[B],
+    ) -> RouteDecision[B]:
         t0 = time.perf_counter()
         cons = [b for b in consumers if b.routable]
         if not cons:
@@ -162,7 +166,7 @@ class KvRouter:
             prompt = PromptShape(hashed.tokens, self.settings.block_size)
         m = matches or {}
 
-        def state(b: BackendView) -> NodeState:
+        def state(b: B) -> NodeState:
             load = loads.get(b.name, NodeLoad())
             return NodeState(b.name, m.get(NodeId(b.name), NO_MATCH), load.in_flight,
                              load.queued_tokens)  # fmt: skip
@@ -180,6 +184,7 @@ class KvRouter:
         route_s = time.perf_counter() - t0
         decision = decision_of(
             plan,
+            request_id=request.request_id,
             prods=prods,
             cons=cons,
             hashed=hashed,
@@ -189,7 +194,11 @@ class KvRouter:
             route_s=route_s,
         )
         mode = "pd" if plan.producers else "alone"
-        self._tickets[id(decision)] = _Ticket(decision, deltas, shared_ok, mode)
+        stale = self._tickets.pop(request.request_id, None)
+        if stale is not None:  # a caller reusing an id in flight: release what it charged
+            logger.warning("route %s: request id already in flight", request.request_id)
+            self._local.apply(tuple(d.negated() for d in stale.deltas))
+        self._tickets[request.request_id] = _Ticket(decision, deltas, shared_ok, mode)
         self.metrics.decisions.labels(plan.reason).inc()
         self.metrics.route_seconds.observe(route_s)
         if prompt is not None:
@@ -204,11 +213,12 @@ class KvRouter:
             )  # fmt: skip
         return decision
 
-    async def finished(self, decision: RouteDecision, outcome: RequestOutcome) -> None:
+    async def finished(self, decision: RouteDecision[Any], outcome: RequestOutcome) -> None:
         try:
-            ticket = self._tickets.pop(id(decision), None)
+            ticket = self._tickets.get(decision.request_id)
             if ticket is None or ticket.decision is not decision:
                 return
+            del self._tickets[decision.request_id]
             release = tuple(d.negated() for d in ticket.deltas)
             self._local.apply(release)
             shared = self._shared
@@ -229,7 +239,7 @@ class KvRouter:
         else:
             try:
                 ids = await token_ids(self._tokenizer, prompt)
-                hashes = self._hasher.hash_tokens(ids, cache_salt=cache_salt_of(request.body))
+                hashes = await self._hash_prefix(ids, cache_salt_of(request.body))
                 return HashedPrompt(len(ids), hashes)
             except TokenizationError as exc:
                 logger.info("route %s: tokenizer failed (%s); load only", request.request_id, exc)
@@ -238,6 +248,15 @@ class KvRouter:
                 reason = "invalid-tokens"
         self.metrics.unhashable.labels(reason).inc()
         return reason
+
+    async def _hash_prefix(self, ids: Sequence[int], salt: str | None) -> list[BlockHash]:
+        """Hashes of the first ``max_route_blocks`` blocks, in a thread when there are many."""
+        bs = self.settings.block_size
+        prefix = ids[: self.settings.max_route_blocks * bs]
+        if len(prefix) // bs > self.settings.inline_hash_blocks:
+            self.metrics.offloaded_hashes.inc()
+            return await asyncio.to_thread(self._hasher.hash_tokens, prefix, cache_salt=salt)
+        return self._hasher.hash_tokens(prefix, cache_salt=salt)
 
     async def _observe(
         self, hashed: HashedPrompt | str, names: list[str]
@@ -328,7 +347,9 @@ class KvRouter:
         producer = plan.producers[0]
         return (LoadDelta(consumer, 1, 0), LoadDelta(producer, 1, uncached(producer)))
 
-    def _observe_drift(self, decision: RouteDecision, outcome: RequestOutcome, mode: str) -> None:
+    def _observe_drift(
+        self, decision: RouteDecision[Any], outcome: RequestOutcome, mode: str
+    ) -> None:
         predicted = decision.predicted_cached_tokens
         if outcome.cached_tokens is None or predicted is None or not outcome.ok:
             return

@@ -63,6 +63,11 @@ class KvRouterMetrics:
             buckets=_DRIFT_BUCKETS,
             registry=r,
         )
+        self.offloaded_hashes = Counter(
+            "pdproxy_kv_router_offloaded_hashes",
+            "Prompts hashed in a thread (more than inline_hash_blocks blocks)",
+            registry=r,
+        )
         self.event_apply_errors = Counter(
             "pdproxy_kv_router_event_apply_errors",
             "KV event batches the index could not apply (the node is forgotten on recovery)",

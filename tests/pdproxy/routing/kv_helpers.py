@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,8 +33,10 @@ def pool(producers: int, consumers: int) -> tuple[list[Backend], list[Backend]]:
     )
 
 
-def text_request(text: str, rid: str = "r") -> RouteRequest:
-    return RouteRequest(rid, "completions", {"model": "m", "prompt": text})
+def text_request(text: str, rid: str | None = None) -> RouteRequest:
+    """A completion request; request ids are unique per request in flight (the router keys
+    what it charged by them), so each gets a fresh one unless given."""
+    return RouteRequest(rid or uuid.uuid4().hex, "completions", {"model": "m", "prompt": text})
 
 
 def stored(text: str, medium: str = "GPU") -> EventBatch:

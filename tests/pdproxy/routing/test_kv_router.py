@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -16,7 +17,7 @@ from kvtier.residency.memory import MemoryIndex
 from kvtier.residency.types import NodeId
 from pdproxy.errors import NoBackendAvailable
 from pdproxy.routing.base import RequestOutcome, RouteRequest
-from pdproxy.routing.kv.explain import debug_header_value
+from pdproxy.routing.explain_header import route_explain_value
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import CostWeights, KvRouterSettings, LocalPrefillThresholds
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
@@ -198,7 +199,7 @@ async def test_unhashable_requests_route_by_load(router: KvRouter) -> None:
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}
         ],
     }
-    d = await router.route(RouteRequest("r", "chat", body), producers, consumers)
+    d = await router.route(RouteRequest(uuid.uuid4().hex, "chat", body), producers, consumers)
     assert d.reason == "load-only" and d.predicted_cached_tokens is None
     assert d.explain["unhashable"] == "multimodal"
     assert sample(router, "pdproxy_kv_router_unhashable_total", {"reason": "multimodal"}) == 1
@@ -263,7 +264,9 @@ async def test_token_id_prompts_match_text_prompts(router: KvRouter) -> None:
     prefix = prompt_text(11)
     await router._index.apply(NodeId("p1"), stored(prefix))
     ids = list((prefix + "?").encode())
-    d = await router.route(RouteRequest("r", "completions", {"prompt": ids}), producers, consumers)
+    d = await router.route(
+        RouteRequest(uuid.uuid4().hex, "completions", {"prompt": ids}), producers, consumers
+    )
     assert d.producers[0].name == "p1"
 
 
@@ -273,7 +276,7 @@ async def test_chat_requests_hash_the_rendered_template(router: KvRouter) -> Non
     rendered = f"<|system|>\n{system}\n<|user|>\nhi\n<|assistant|>\n"
     await router._index.apply(NodeId("p1"), stored(rendered))
     body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
-    d = await router.route(RouteRequest("r", "chat", body), producers, consumers)
+    d = await router.route(RouteRequest(uuid.uuid4().hex, "chat", body), producers, consumers)
     assert d.producers[0].name == "p1"
     assert d.explain["producers"][0]["total"] == len(rendered) // BS
 
@@ -281,7 +284,9 @@ async def test_chat_requests_hash_the_rendered_template(router: KvRouter) -> Non
 @pytest.mark.parametrize("bad", [[1, -2, 3], [2**32], [1, "x"], [1, 1.5]])
 async def test_invalid_token_ids_route_by_load(router: KvRouter, bad: list[object]) -> None:
     producers, consumers = pool(1, 1)
-    d = await router.route(RouteRequest("r", "completions", {"prompt": bad}), producers, consumers)
+    d = await router.route(
+        RouteRequest(uuid.uuid4().hex, "completions", {"prompt": bad}), producers, consumers
+    )
     assert d.reason == "load-only" and d.explain["unhashable"] == "invalid-tokens"
 
 
@@ -313,8 +318,33 @@ async def test_unexpected_index_failure_routes_by_load() -> None:
 async def test_debug_header_is_compact_ascii_json(router: KvRouter) -> None:
     producers, consumers = pool(8, 8)
     d = await router.route(text_request(prompt_text(15)), producers, consumers)
-    full = json.loads(debug_header_value(d))
+    full = json.loads(route_explain_value(d))
     assert full["reason"] == d.reason and len(full["producers"]) == 8
-    small = debug_header_value(d, max_bytes=700)
+    small = route_explain_value(d, max_bytes=700)
     assert len(small) <= 700 and small.isascii()
     assert len(json.loads(small)["producers"]) < 8
+
+
+async def test_routing_work_is_capped_to_a_prefix() -> None:
+    """A huge prompt is hashed, matched and predicted only over ``max_route_blocks`` blocks;
+    its full length still counts as load."""
+    settings = ALWAYS_PD.model_copy(update={"max_route_blocks": 4, "inline_hash_blocks": 2})
+    router = make_router(settings)
+    producers, consumers = pool(2, 1)
+    long_text = prompt_text(40)
+    try:
+        await router._index.apply(NodeId("p1"), stored(long_text))
+        d = await router.route(text_request(long_text), producers, consumers)
+    finally:
+        await router.close()
+    assert d.explain["blocks"] == 4
+    assert d.explain["prompt_tokens"] == len(long_text.encode())
+    assert d.producers[0].name == "p1"  # the capped prefix still finds the holder
+    assert sample(router, "pdproxy_kv_router_offloaded_hashes_total") == 1.0
+
+
+async def test_decision_ranks_the_objects_it_was_given(router: KvRouter) -> None:
+    producers, consumers = pool(2, 2)
+    d = await router.route(text_request(prompt_text(10)), producers, consumers)
+    assert all(any(b is p for p in producers) for b in d.producers)
+    assert all(any(b is c for c in consumers) for b in d.consumers)

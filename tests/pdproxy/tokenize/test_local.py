@@ -15,7 +15,14 @@ from pdproxy.tokenize.base import OffLoopTokenizer, token_ids
 from pdproxy.tokenize.build import build_tokenizer
 from pdproxy.tokenize.byte_level import ByteEncoder
 from pdproxy.tokenize.errors import TokenizationError, TokenizerUnavailable
-from pdproxy.tokenize.prompt import ChatPrompt, TextPrompt, TokenPrompt, prompt_of
+from pdproxy.tokenize.prompt import (
+    ChatMessage,
+    ChatPrompt,
+    TextPrompt,
+    TokenPrompt,
+    prompt_chars,
+    prompt_of,
+)
 from pdproxy.tokenize.settings import TokenizerKind, TokenizerSettings
 
 LLAMA3_LIKE = (
@@ -153,6 +160,29 @@ async def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
     assert encoder.threads[0] == loop_thread
     assert encoder.threads[1] != loop_thread
     await tok.close()
+
+
+async def test_off_loop_size_counts_everything_the_template_renders() -> None:
+    """A chat prompt with short messages but huge tools, template kwargs or roles is big."""
+    encoder = ThreadRecordingEncoder()
+    tok = OffLoopTokenizer(encoder, threshold_chars=1000)
+    loop_thread = threading.get_ident()
+    small = ChatMessage("user", "hi")
+    huge_tools = ({"type": "function", "function": {"description": "d" * 5000}},)
+    deep_kwargs = (("ctx", [[["k" * 400] * 3]]),)
+    for prompt in (
+        ChatPrompt((small,)),
+        ChatPrompt((small,), tools=huge_tools),
+        ChatPrompt((small,), template_kwargs=deep_kwargs),
+        ChatPrompt((ChatMessage("r" * 2000, "hi"),)),
+        ChatPrompt((ChatMessage("user", "hi", extra=(("name", "n" * 2000),)),)),
+    ):
+        await tok.tokenize(prompt)
+    assert encoder.threads[0] == loop_thread
+    assert all(t != loop_thread for t in encoder.threads[1:])
+    # The measure stops early: a prompt with 200k tiny tool entries costs a bounded walk.
+    wide = ChatPrompt((small,), tools=tuple({"a": i} for i in range(200_000)))
+    assert 1000 < prompt_chars(wide, 1000) < 1100
 
 
 async def test_token_prompts_skip_tokenization() -> None:

@@ -1,0 +1,111 @@
+"""The consumer leg of one request: ranked consumers, tried until one answers.
+
+Failures before the consumer's first byte (connect, timeout, 5xx, 429) walk down the ranked
+consumers under the shared retry policy. The first consumer that answers is committed: a whole
+answer becomes a plain response, a stream becomes a :class:`~pdproxy.relay.Relay` that holds
+the consumer until the stream ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from starlette.responses import Response
+
+from pdproxy.backends import Backend
+from pdproxy.errors import LegFailed, LegRefused, NoBackendAvailable
+from pdproxy.headers import leg_headers
+from pdproxy.lease import RequestLease
+from pdproxy.legs import ROUTE_PATHS
+from pdproxy.metrics import ProxyMetrics
+from pdproxy.relay import Relay, find_cached_tokens
+from pdproxy.retry import NO_DEADLINE, RetryPolicy
+from pdproxy.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+_RELAYED_HEADERS = ("content-type", "cache-control")
+
+
+class ConsumerPhase:
+    def __init__(
+        self,
+        upstream: Upstream,
+        retry: RetryPolicy,
+        metrics: ProxyMetrics,
+        *,
+        idle_s: float,
+        server_timing: bool,
+    ) -> None:
+        self._upstream = upstream
+        self._retry = retry
+        self._metrics = metrics
+        self._idle_s = idle_s
+        self._server_timing = server_timing
+
+    async def run(
+        self,
+        lease: RequestLease,
+        leg: bytes,
+        consumers: list[Backend],
+        base: dict[str, str],
+        stream: bool,
+    ) -> Response | Relay:
+        canceller = lease.canceller
+        assert canceller is not None
+        path = ROUTE_PATHS[lease.route]
+        t = time.perf_counter()
+        failure: LegFailed | None = None
+        for attempt, consumer in enumerate(consumers[: self._retry.consumer_attempts]):
+            if attempt:
+                if not await self._retry.pause("consumer", attempt, NO_DEADLINE, canceller):
+                    break
+                lease.retries += 1
+            headers = leg_headers(base, lease.request_id, "consumer", attempt, consumer.auth_header)
+            hold = lease.hold(consumer)
+            try:
+                with canceller.armed():
+                    opened = await self._upstream.open_consumer_leg(
+                        consumer, path, leg, headers, stream
+                    )
+            except LegFailed as exc:
+                hold.failed(exc)
+                hold.release()
+                log.warning("request %s: consumer leg failed: %s", lease.request_id, exc)
+                failure = exc
+                continue
+            except LegRefused:
+                hold.refused()
+                hold.release()
+                lease.consumer = consumer.name
+                raise
+            except BaseException:
+                hold.release()
+                raise
+            hold.succeeded()
+            lease.consumer = consumer.name
+            lease.consumer_first_byte_s = time.perf_counter() - t
+            self._metrics.observe_ttfb(lease.route, time.perf_counter() - lease.t0)
+            status = opened.response.status
+            client_headers = lease.client_headers(self._server_timing)
+            for name in _RELAYED_HEADERS:
+                value = opened.response.headers.get(name)
+                if value is not None:
+                    client_headers[name] = value
+            if opened.complete:
+                hold.release()
+                lease.cached_tokens = find_cached_tokens(opened.first)
+                self._metrics.observe_leg("consumer", consumer.name, time.perf_counter() - t)
+                return Response(opened.first, status_code=status, headers=client_headers)
+            return Relay(
+                upstream=opened.response,
+                first=opened.first,
+                status=status,
+                headers=client_headers,
+                hold=hold,
+                canceller=canceller,
+                idle_s=self._idle_s,
+                t0=t,
+            )
+        raise failure or NoBackendAvailable("no consumer to try")
