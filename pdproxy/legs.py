@@ -83,6 +83,10 @@ def consumer_body(body: ClientBody, kv_params: Mapping[str, Any] | None) -> byte
     return body.encode(data)
 
 
+MAX_ENGINE_ID_CHARS = 256
+"""The workers' own cap on ids in ``kv_transfer_params``: a longer one would be refused there."""
+
+
 def consumer_kv_params(
     dialect: Dialect,
     producer: str,
@@ -115,13 +119,19 @@ def consumer_kv_params(
         answered_id = kvp.get("kv_request_id", kv_request_id)
         if answered_id != kv_request_id:
             raise LegFailed(producer, "producer answered a different kv_request_id")
-        return {
-            "remote_prefiller": {
-                "kv_request_id": kv_request_id,
-                "remote_host": host,
-                "remote_port": port,
-            }
+        prefiller: dict[str, Any] = {
+            "kv_request_id": kv_request_id,
+            "remote_host": host,
+            "remote_port": port,
         }
+        # The producer's node id lets the consumer's P2P handshake refuse any other node (a relay
+        # or a host that took over the address); a producer that names none is not pinned.
+        engine_id = kvp.get("remote_engine_id")
+        if engine_id is not None:
+            if not isinstance(engine_id, str) or not 0 < len(engine_id) <= MAX_ENGINE_ID_CHARS:
+                raise LegFailed(producer, "producer answer has an unusable remote_engine_id")
+            prefiller["remote_engine_id"] = engine_id
+        return {"remote_prefiller": prefiller}
     raise ValueError(f"dialect {dialect} has no consumer kv_transfer_params")
 
 

@@ -205,6 +205,25 @@ def test_p2p_consumer_params_build_remote_prefiller() -> None:
     }
 
 
+def test_p2p_consumer_params_carry_the_producers_node_id() -> None:
+    """The consumer pins its P2P handshake to this node id (a relay is refused)."""
+    kvp = {"remote_host": "h", "remote_port": 7001, "kv_request_id": K, "remote_engine_id": "p-1"}
+    answer = orjson.dumps({"kv_transfer_params": kvp})
+    assert consumer_kv_params(Dialect.P2P, "P", answer, K)["remote_prefiller"] == {
+        "kv_request_id": K,
+        "remote_host": "h",
+        "remote_port": 7001,
+        "remote_engine_id": "p-1",
+    }
+
+
+@pytest.mark.parametrize("engine_id", ["", 7, ["p"], "x" * 257])
+def test_p2p_unusable_node_id_fails_the_leg(engine_id: object) -> None:
+    kvp = {"remote_host": "h", "remote_port": 1, "kv_request_id": K, "remote_engine_id": engine_id}
+    with pytest.raises(LegFailed):
+        consumer_kv_params(Dialect.P2P, "P", orjson.dumps({"kv_transfer_params": kvp}), K)
+
+
 @pytest.mark.parametrize(
     "answer",
     [
