@@ -33,6 +33,7 @@ from pdproxy.settings import (
     BreakerSettings,
     Dialect,
     TimeoutSettings,
+    UpstreamSettings,
 )
 from pdproxy.upstream import Upstream
 
@@ -41,7 +42,7 @@ class RecordingReleaser(SupplyReleaser):
     """Records releases instead of sending them."""
 
     def __init__(self, metrics: ProxyMetrics) -> None:
-        super().__init__(Upstream(TimeoutSettings()), metrics)
+        super().__init__(Upstream(TimeoutSettings(), UpstreamSettings()), metrics)
         self.released: list[tuple[KvRequestId, LegRequestId]] = []
 
     def release(self, supply: Supply, request_id: LegRequestId) -> None:
