@@ -266,6 +266,8 @@ class EventSubscriber:
                 if remaining <= 0:
                     raise TimeoutError
                 frames = await asyncio.wait_for(sock.recv_multipart(), remaining)
+                if len(frames) == 4:  # vLLM's reply carries the topic: (b"", topic, seq, payload)
+                    frames = [frames[0], frames[2], frames[3]]
                 if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
                     self.stats.malformed += 1
                     continue
