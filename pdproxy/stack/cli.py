@@ -156,13 +156,14 @@ def serve_stack(
     status_interval_s: float,
     ready_file: Path | None,
     out: TextIO,
+    stop_grace_s: float = 10.0,
 ) -> int:
     """Run the planned stack until ``stop`` is set or a process dies; always stop everything.
 
     Workers start first; the proxy starts once they are healthy, so it never begins with
     every backend ejected."""
     view = ProxyBackendsView(plan.endpoint, plan.admin_key) if plan.admin_key else None
-    with Supervisor(log_dir) as supervisor:
+    with Supervisor(log_dir, stop_grace_s=stop_grace_s) as supervisor:
         try:
             _say(out, f"starting {len(plan.workers)} workers (logs in {log_dir}) ...\n")
             supervisor.start(plan.workers)
@@ -253,6 +254,8 @@ def run_up(args: argparse.Namespace) -> int:
             status_interval_s=args.status_interval,
             ready_file=args.ready_file,
             out=sys.stdout,
+            # vLLM takes longer than the reference worker to shut its engine and NIXL down.
+            stop_grace_s=30.0 if args.engine == "vllm" else 10.0,
         )
 
 

@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from kvtier.events import EventBatch, EventPublisher, EventSubscriber
 from kvtier.events.publisher import END_OF_REPLAY, seq_frame
+from tests.conftest import free_port
 
 TOPIC = b"kv-events"
 
@@ -24,7 +25,7 @@ TOPIC = b"kv-events"
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
     yield context
-    context.term()
+    context.destroy(linger=0)  # a failed test must not hang on a socket it left open
 
 
 def _payload(i: int) -> bytes:
@@ -90,3 +91,51 @@ async def test_publisher_answers_replays_in_vllm_layout(ctx: zmq.asyncio.Context
     finally:
         dealer.close(linger=0)
         await publisher.close()
+
+
+async def test_wildcard_endpoint_binds_so_a_connecting_engine_reaches_it(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """vLLM given a concrete address (``tcp://router:5557``) connects its PUB socket."""
+    got: list[EventBatch] = []
+
+    async def on_batch(batch: EventBatch) -> None:
+        got.append(batch)
+
+    port = free_port()
+    sub = EventSubscriber(f"tcp://*:{port}", on_batch=on_batch, context=ctx)
+    engine = ctx.socket(zmq.PUB)
+    try:
+        await sub.start()
+        engine.connect(f"tcp://127.0.0.1:{port}")
+        async with asyncio.timeout(20):
+            seq = 0
+            while not got:  # PUB drops what it sends before the connection is up
+                await engine.send_multipart((TOPIC, seq_frame(seq), _payload(seq)))
+                seq += 1
+                await asyncio.sleep(0.02)
+        assert sub.stats.malformed == 0
+    finally:
+        engine.close(linger=0)
+        await sub.close()
+
+
+async def test_a_taken_port_fails_start_and_leaks_no_socket(ctx: zmq.asyncio.Context) -> None:
+    """Another process holds the port: start raises, and closing the context does not hang on
+    a socket the subscriber left open."""
+    port = free_port()
+    squatter = ctx.socket(zmq.PUB)
+    squatter.bind(f"tcp://*:{port}")
+
+    async def on_batch(batch: EventBatch) -> None:
+        raise AssertionError("nothing can arrive")
+
+    own_ctx = zmq.asyncio.Context()
+    sub = EventSubscriber(f"tcp://*:{port}", on_batch=on_batch, context=own_ctx)
+    try:
+        with pytest.raises(zmq.ZMQError):
+            await sub.start()
+        assert not sub.running
+    finally:
+        squatter.close(linger=0)
+    await asyncio.wait_for(asyncio.to_thread(own_ctx.term), 10)  # hangs if a socket leaked
