@@ -71,10 +71,10 @@ def _stream(client: httpx.Client, url: str, body: dict[str, Any], t0: float) -> 
         if resp.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.read()[:300]!r}")
         for line in resp.iter_lines():
-            if not first and line.startswith("data: {"):
-                chunk = orjson.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    first = time.perf_counter() - t0
+            # The first token's chunk, even when its text is "" (a byte-level token that ends
+            # inside a UTF-8 sequence shows no text yet).
+            if not first and line.startswith("data: {") and orjson.loads(line[6:]).get("choices"):
+                first = time.perf_counter() - t0
         return first or time.perf_counter() - t0, resp.headers.get("server-timing", "")
 
 

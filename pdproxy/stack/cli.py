@@ -255,7 +255,7 @@ def run_up(args: argparse.Namespace) -> int:
             ready_file=args.ready_file,
             out=sys.stdout,
             # vLLM takes longer than the reference worker to shut its engine and NIXL down.
-            stop_grace_s=30.0 if args.engine == "vllm" else 10.0,
+            stop_grace_s=15.0 if args.engine == "vllm" else 10.0,
         )
 
 

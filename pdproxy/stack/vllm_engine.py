@@ -205,4 +205,6 @@ def router_options(paths: VllmPaths) -> dict[str, Any]:
         "model_seed": f"vllm/{SERVED_NAME}",
         "block_size": VLLM_BLOCK_SIZE,
         "tokenizer": {"kind": "hf", "path": str(paths.model_dir)},
+        # After a NIXL transfer vLLM's usage counts only local prefix-cache hits as cached.
+        "pd_cached_tokens": "consumer_local",
     }

@@ -176,6 +176,20 @@ def prompt_ids(seed: int, n: int, vocab: int = 500) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
+def drift_buckets(url: str, mode: str) -> dict[str, float]:
+    """The proxy's ``_cached_tokens_drift`` histogram for ``mode``: upper bound → count."""
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    out = {}
+    for m in re.finditer(
+        r'^pdproxy_kv_router_cached_tokens_drift_bucket\{le="([^"]+)",mode="(\w+)"\} (\S+)$',
+        text,
+        re.M,
+    ):
+        if m[2] == mode:
+            out[m[1]] = float(m[3])
+    return out
+
+
 def route_of(resp: httpx.Response) -> dict[str, object]:
     raw = resp.headers.get("x-pdproxy-route")
     assert raw is not None, f"no x-pdproxy-route header: {dict(resp.headers)}"

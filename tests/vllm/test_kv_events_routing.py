@@ -7,7 +7,6 @@ time expire after 50 ms there, so a routing choice made later comes from vLLM's 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 
 from kvtier.events import BlockStored, EventBatch, EventSubscriber
 from pdproxy.stack.vllm_engine import VLLM_BLOCK_SIZE
-from tests.vllm.conftest import MODEL, VllmStack, prompt_ids, route_of
+from tests.vllm.conftest import MODEL, VllmStack, drift_buckets, prompt_ids, route_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -66,23 +65,11 @@ async def test_vllm_block_stored_events_as_the_codec_reads_them(vllm_stack: Vllm
     assert sum(len(e.block_hashes) for e in stored) == 2  # full blocks only
 
 
-def _drift_buckets(metrics: str, mode: str) -> dict[str, float]:
-    out = {}
-    for m in re.finditer(
-        r'^pdproxy_kv_router_cached_tokens_drift_bucket\{le="([^"]+)",mode="(\w+)"\} (\S+)$',
-        metrics,
-        re.M,
-    ):
-        if m[2] == mode:
-            out[m[1]] = float(m[3])
-    return out
-
-
 def test_second_request_goes_to_the_holder_and_drift_is_zero(vllm_stack: VllmStack) -> None:
     prefix = prompt_ids(300, 3 * VLLM_BLOCK_SIZE)
     # r0 computes the prefix without the proxy: only its KV events can tell the router.
     _complete(vllm_stack.url("r0"), [*prefix, *prompt_ids(301, 7)])
-    before = httpx.get(vllm_stack.agg_url + "/metrics", timeout=10).text
+    b0 = drift_buckets(vllm_stack.agg_url, "alone")
     deadline = time.monotonic() + EVENTS_WITHIN_S
     question = [*prefix, *prompt_ids(302, 20)]
     while True:
@@ -99,8 +86,7 @@ def test_second_request_goes_to_the_holder_and_drift_is_zero(vllm_stack: VllmSta
     assert chosen["gpu"] == 3, route
     cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == 3 * VLLM_BLOCK_SIZE
-    after = httpx.get(vllm_stack.agg_url + "/metrics", timeout=10).text
-    b0, b1 = _drift_buckets(before, "alone"), _drift_buckets(after, "alone")
+    b1 = drift_buckets(vllm_stack.agg_url, "alone")
     observed = b1["+Inf"] - b0.get("+Inf", 0.0)
     assert observed >= 1
     # Every observation of this test fell in (-1, 0]: the router predicted vLLM's cached_tokens.

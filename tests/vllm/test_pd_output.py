@@ -7,7 +7,14 @@ import httpx
 import pytest
 
 from pdproxy.stack.vllm_engine import VLLM_BLOCK_SIZE
-from tests.vllm.conftest import MODEL, VllmStack, prompt_ids, route_of, vllm_metric
+from tests.vllm.conftest import (
+    MODEL,
+    VllmStack,
+    drift_buckets,
+    prompt_ids,
+    route_of,
+    vllm_metric,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -39,6 +46,7 @@ def _complete(url: str, prompt: object, headers: dict[str, str] | None = None) -
 )
 def test_pd_equals_single_node_token_prompts(vllm_stack: VllmStack, seed: int, length: int) -> None:
     prompt = prompt_ids(seed, length)
+    drift_before = drift_buckets(vllm_stack.pd_url, "pd")
     hits_before = vllm_metric(vllm_stack.url("d0"), EXTERNAL_HITS)
     pd = _complete(vllm_stack.pd_url, prompt, {"x-pdproxy-debug": "1"})
     hits = vllm_metric(vllm_stack.url("d0"), EXTERNAL_HITS) - hits_before
@@ -54,6 +62,14 @@ def test_pd_equals_single_node_token_prompts(vllm_stack: VllmStack, seed: int, l
     # The whole prompt came over NIXL: vLLM counts every prompt token as an external
     # prefix-cache hit on the consumer, the partial last block included.
     assert hits == length
+    # ... and reports none of them as cached: usage counts only its own prefix-cache hits, which
+    # is what the router predicts for vLLM (pd_cached_tokens: consumer_local): drift zero.
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    drift = drift_buckets(vllm_stack.pd_url, "pd")
+    observed = drift["+Inf"] - drift_before.get("+Inf", 0.0)
+    assert observed == 1
+    assert drift["0.0"] - drift_before.get("0.0", 0.0) == 1
+    assert drift["-1.0"] - drift_before.get("-1.0", 0.0) == 0
 
 
 def test_pd_equals_single_node_text_and_chat(vllm_stack: VllmStack) -> None:

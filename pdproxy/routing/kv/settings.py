@@ -6,6 +6,8 @@ nothing here reads the environment.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdproxy.tokenize.settings import TokenizerSettings
@@ -106,3 +108,9 @@ class KvRouterSettings(BaseModel):
         default_factory=dict, description="backend name -> its KV event replay endpoint"
     )
     tokenizer: TokenizerSettings = Field(default_factory=TokenizerSettings)
+    pd_cached_tokens: Literal["prompt", "consumer_local"] = Field(
+        default="prompt",
+        description="what a consumer reports as cached_tokens after a PD transfer, for the "
+        "drift metric: prompt (kvtier workers count fetched blocks) or consumer_local (vLLM's "
+        "NixlConnector counts only the consumer's own prefix-cache hits)",
+    )
