@@ -143,8 +143,16 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that kill an instance run after every other test of the shared stack."""
-    items.sort(key=lambda item: "kills_producer" in getattr(item, "fixturenames", ()))
+    """Tests that kill an instance run after every other test of the shared stack; the
+    package's tests keep their place in the session (the stack starts once)."""
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if here in item.path.parents]
+    ours = sorted(
+        (items[i] for i in slots),
+        key=lambda item: "kills_producer" in getattr(item, "fixturenames", ()),
+    )
+    for i, item in zip(slots, ours, strict=True):
+        items[i] = item
 
 
 @pytest.fixture
