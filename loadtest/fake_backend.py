@@ -55,6 +55,35 @@ class Behavior:
     p2p_port: int = 7000
 
 
+def vllm_error(status: int) -> dict[str, Any]:
+    """An error body as vLLM 0.32 writes it: the exception's class name as ``type`` and the
+    HTTP status as an integer ``code``."""
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return {"error": {"message": "injected", "type": kind, "param": None, "code": status}}
+
+
+def nixl_producer_answer(name: str, rid: str, host: str) -> dict[str, Any]:
+    """A producer's ``kv_transfer_params`` with every key vLLM 0.32's NixlConnector returns:
+    block ids per KV-cache group (a list of lists), and the keys engines added after the
+    captures in ``shared/wire`` (``dcp_size``, ``pp_size``, ``remote_num_tokens``, ...)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[1, 2]],
+        "remote_engine_id": f"engine-{name}",
+        "remote_request_id": f"cmpl-{rid}-0",
+        "remote_host": host,
+        "remote_port": 5600,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 8,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": 0,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class Received:
     method: str
@@ -184,10 +213,9 @@ class FakeBackend:
         body = rec.json()
         producer = rec.is_producer_leg
         if self._should_fail(producer):
-            err = {"error": {"message": "injected", "type": "server_error", "code": "fake"}}
-            return web.Response(
-                status=b.fail_status or 500, body=orjson.dumps(err), content_type="application/json"
-            )
+            status = b.fail_status or 500
+            err = orjson.dumps(vllm_error(status))
+            return web.Response(status=status, body=err, content_type="application/json")
         if b.hang:
             await asyncio.Event().wait()
         chat = request.path.endswith("chat/completions")
@@ -239,16 +267,7 @@ class FakeBackend:
                 "num_blocks": 2,
             }
         else:
-            kvp = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": [1, 2],
-                "remote_engine_id": f"engine-{self.name}",
-                "remote_request_id": f"cmpl-{rid}-0",
-                "remote_host": self.host,
-                "remote_port": 5600,
-                "tp_size": 1,
-            }
+            kvp = nixl_producer_answer(self.name, rid, self.host)
         choice: dict[str, Any] = (
             {"index": 0, "message": {"role": "assistant", "content": " t0"}}
             if chat
@@ -271,6 +290,12 @@ class FakeBackend:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
+        if chat:  # vLLM opens a chat stream with the role and empty content
+            await resp.write(
+                f'data: {{"id":"cmpl-{rid}","object":"{obj}","model":"{self.model}",'
+                f'"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
+                f'"finish_reason":null}}]}}\n\n'.encode()
+            )
         for i in range(n):
             if b.cut_after_chunks is not None and i >= b.cut_after_chunks:
                 assert request.transport is not None
@@ -278,10 +303,11 @@ class FakeBackend:
                 return resp
             if i and b.chunk_delay_s:
                 await asyncio.sleep(b.chunk_delay_s)
+            finish = '"length"' if i == n - 1 else "null"  # vLLM: on the last token's chunk
             piece = (
-                f'{{"delta":{{"content":" t{i}"}},"index":0,"finish_reason":null}}'
+                f'{{"delta":{{"content":" t{i}"}},"index":0,"finish_reason":{finish}}}'
                 if chat
-                else f'{{"text":" t{i}","index":0,"finish_reason":null}}'
+                else f'{{"text":" t{i}","index":0,"finish_reason":{finish}}}'
             )
             await resp.write(
                 f'data: {{"id":"cmpl-{rid}","object":"{obj}","model":"{self.model}",'

@@ -3,9 +3,11 @@
 Live batches go out on a PUB socket as three frames ``(topic, seq, payload)`` where ``seq`` is
 an 8-byte big-endian counter starting at 0 and ``payload`` is :func:`codec.encode_batch`.
 A ROUTER socket answers replay requests ``(identity, b"", start_seq)`` with every buffered
-batch whose sequence is ``>= start_seq`` as ``(identity, b"", seq, payload)`` and then the end
-marker ``(identity, b"", -1 as 8 signed bytes, b"")``, so vLLM's subscribers can use it and
-:class:`kvtier.events.subscriber.EventSubscriber` can replay from a vLLM engine.
+batch whose sequence is ``>= start_seq`` as ``(identity, b"", topic, seq, payload)`` and then
+the end marker ``(identity, b"", b"", -1 as 8 signed bytes, b"")``, exactly as vLLM 0.32's
+``ZmqEventPublisher`` answers, so vLLM's subscribers can use it and
+:class:`kvtier.events.subscriber.EventSubscriber` replays from both (it also reads the older
+topic-less ``(seq, payload)`` replies).
 
 Who may connect: anyone who reaches the endpoints, unless ``curve`` is given (then only the
 subscribers whose public keys it lists; see :mod:`kvtier.events.curve`). What they get: every
@@ -178,9 +180,11 @@ class EventPublisher:
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
             try:
+                # vLLM's replay reply: (topic, seq, payload) per batch, then an empty topic
+                # with the end marker (frames after the DEALER's empty delimiter).
                 for seq, payload in self._buffer.since(start_seq):
-                    await sock.send_multipart((client, b"", seq_frame(seq), payload))
-                await sock.send_multipart((client, b"", END_OF_REPLAY, b""))
+                    await sock.send_multipart((client, b"", self._topic, seq_frame(seq), payload))
+                await sock.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
             except zmq.ZMQError:
                 logger.exception("replay from seq %d failed", start_seq)
                 continue

@@ -13,6 +13,13 @@ number is skipped, the subscriber asks the replay socket for everything from the
 missing sequence. When events are lost for good (no replay socket, the replay buffer no longer
 holds them, the replay timed out, or the publisher restarted and its sequence went back)
 ``on_reset`` is awaited first: the receiver's view of that engine can no longer be trusted.
+
+An endpoint with a wildcard host (``tcp://*:PORT``) makes the subscriber bind and the engine
+connect to it (vLLM's PUB connects whenever its endpoint is a concrete address); any other
+endpoint (``tcp://host:port``, ``ipc://path``) is connected to. A bound subscriber is a
+listener: whoever reaches the port can publish events, which steer routing decisions (they
+cannot fail a request or stall the subscriber), so bind on a private network only.
+
 Malformed messages are counted in :attr:`EventSubscriber.stats` and skipped; a callback that
 raises is logged and counted. Nothing a publisher sends stops the subscriber.
 """
@@ -99,6 +106,7 @@ class EventSubscriber:
         self._sub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._monitor_task: asyncio.Task[None] | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._publisher_lost = False
         self._closed = False
         self.stats = SubscriberStats()
@@ -131,7 +139,18 @@ class EventSubscriber:
         self._monitor_task = asyncio.create_task(
             self._watch_connection(monitor), name=f"kv-events-monitor {self._name}"
         )
-        sub.connect(self.endpoint)
+        self._monitor = monitor
+        try:
+            if "*" in self.endpoint:
+                # A wildcard names a socket to listen on: the engine connects to us, as vLLM
+                # does whenever its own endpoint is a concrete address (it binds only
+                # wildcards and ipc).
+                sub.bind(self.endpoint)
+            else:
+                sub.connect(self.endpoint)
+        except zmq.ZMQError:
+            await self.close()  # e.g. the port is taken: release every socket, then say so
+            raise
         self._task = asyncio.create_task(self._run(sub), name=f"kv-events-sub {self._name}")
         self._task.add_done_callback(self._log_crash)
 
@@ -149,6 +168,10 @@ class EventSubscriber:
                 self._sub.disable_monitor()
             self._sub.close(linger=0)
             self._sub = None
+        if self._monitor is not None:
+            # Its task closes it too, but a task cancelled before it ever ran does not.
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._ctx is not None and self._given_ctx is None:
             self._ctx.term()
         self._ctx = None
@@ -274,6 +297,8 @@ class EventSubscriber:
                 if remaining <= 0:
                     raise TimeoutError
                 frames = await asyncio.wait_for(sock.recv_multipart(), remaining)
+                if len(frames) == 4:  # vLLM's reply carries the topic: (b"", topic, seq, payload)
+                    frames = [frames[0], frames[2], frames[3]]
                 if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
                     self.stats.malformed += 1
                     continue

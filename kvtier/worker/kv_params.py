@@ -10,7 +10,9 @@ P2P dialect (kvtier):
 NIXL-shaped dialect (vLLM NixlConnector, see ``shared/wire``):
 - producer leg ``{"do_remote_decode": true, ...}`` → answer ``{"do_remote_prefill": true,
   "do_remote_decode": false, "remote_engine_id", "remote_request_id", "remote_block_ids",
-  "remote_host", "remote_port", "tp_size"}``;
+  "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "transfer_mode"}`` with
+  ``remote_block_ids`` one list per KV-cache group, as vLLM 0.32 answers (it also sends
+  ``remote_num_tokens``, ``remote_blocks_expiry_time``, ``remote_prefill_cached_tokens``);
 - consumer leg: that answer, verbatim (extra keys tolerated); the blocks are pulled over kvtier
   P2P from ``remote_host:remote_port`` under ``remote_request_id``, from the node named
   ``remote_engine_id`` (when present).
@@ -131,6 +133,8 @@ def parse_leg(params: Mapping[str, object] | None, nixl_request_id: str) -> Leg 
         return ProducerLeg(Dialect.NIXL, nixl_request_id)
     if params.get("do_remote_prefill") is True:
         block_ids = params.get("remote_block_ids")
+        if isinstance(block_ids, list) and block_ids and isinstance(block_ids[0], list):
+            block_ids = block_ids[0]  # vLLM 0.32: one id list per KV-cache group
         num_blocks = len(block_ids) if isinstance(block_ids, Sequence) else None
         return ConsumerLeg(
             Dialect.NIXL,
@@ -170,8 +174,11 @@ def producer_answer(
         "do_remote_decode": False,
         "remote_engine_id": engine_id,
         "remote_request_id": leg.kv_request_id,
-        "remote_block_ids": list(block_ids),
+        "remote_block_ids": [list(block_ids)],
         "remote_host": host,
         "remote_port": port,
         "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "transfer_mode": "pull",
     }

@@ -1,6 +1,7 @@
 """``pdproxy up`` / ``python -m pdproxy.stack``: a local PD cluster in one command.
 
-Starts N producer and M consumer reference workers and a proxy in front of them (KV-aware
+Starts N producer and M consumer engines (kvtier reference workers, or real vLLM with
+``--engine vllm``) and a proxy in front of them (KV-aware
 router, residency in memory or Redis, KV events wired), waits until all are healthy, prints the
 endpoint and a ``curl`` line, shows live status, and on Ctrl-C or SIGTERM stops every process
 it started.
@@ -35,11 +36,24 @@ from pdproxy.stack.plan import (
 )
 from pdproxy.stack.proxy_view import ProxyBackendsView
 from pdproxy.stack.supervisor import ProcessStatus, Supervisor
+from pdproxy.stack.vllm_engine import VllmPaths
+from pdproxy.stack.vllm_plan import build_vllm_plan
 
 DESCRIPTION = __doc__.split("\n\n")[1] if __doc__ else ""
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=["worker", "vllm"],
+        default="worker",
+        help="worker: kvtier reference workers; vllm: real vLLM (CPU) with NIXL, set up by "
+        "`scripts/dev vllm-setup`",
+    )
+    parser.add_argument("--vllm-venv", type=Path, default=None, metavar="DIR",
+                        help="vLLM's venv (PDPROXY_VLLM_VENV, else ./.venv-vllm)")  # fmt: skip
+    parser.add_argument("--vllm-model", type=Path, default=None, metavar="DIR",
+                        help="model dir (PDPROXY_VLLM_MODEL_DIR, else in the venv)")  # fmt: skip
     parser.add_argument("--producers", type=int, default=1, help="producer workers (1)")
     parser.add_argument("--consumers", type=int, default=1, help="consumer workers (1)")
     parser.add_argument(
@@ -68,7 +82,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="proxy listen address")
     parser.add_argument("--port", type=int, default=8000, help="proxy port (8000)")
     parser.add_argument("--run-dir", type=Path, default=None, help="config and logs (a temp dir)")
-    parser.add_argument("--startup-timeout", type=float, default=120.0, metavar="S")
+    parser.add_argument("--startup-timeout", type=float, default=None, metavar="S",
+                        help="seconds to become healthy (120; 600 with --engine vllm)")  # fmt: skip
     parser.add_argument("--status-interval", type=float, default=2.0, metavar="S",
                         help="seconds between status updates (0: none)")  # fmt: skip
     parser.add_argument("--ready-file", type=Path, default=None,
@@ -147,13 +162,14 @@ def serve_stack(
     status_interval_s: float,
     ready_file: Path | None,
     out: TextIO,
+    stop_grace_s: float = 10.0,
 ) -> int:
     """Run the planned stack until ``stop`` is set or a process dies; always stop everything.
 
     Workers start first; the proxy starts once they are healthy, so it never begins with
     every backend ejected."""
     view = ProxyBackendsView(plan.endpoint, plan.admin_key) if plan.admin_key else None
-    with Supervisor(log_dir) as supervisor:
+    with Supervisor(log_dir, stop_grace_s=stop_grace_s) as supervisor:
         try:
             _say(out, f"starting {len(plan.workers)} workers (logs in {log_dir}) ...\n")
             supervisor.start(plan.workers)
@@ -229,7 +245,11 @@ def run_up(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdproxy-up-"))  # mode 0700
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
-        plan = build_plan(options, run_dir)
+        if args.engine == "vllm":
+            paths = VllmPaths.resolve(args.vllm_venv, args.vllm_model)
+            plan = build_vllm_plan(options, paths, run_dir)
+        else:
+            plan = build_plan(options, run_dir)
     except ValueError as exc:
         print(f"error: {exc}", flush=True)
         return 2
@@ -240,10 +260,12 @@ def run_up(args: argparse.Namespace) -> int:
             plan,
             run_dir / "logs",
             stop=stop,
-            startup_timeout_s=args.startup_timeout,
+            startup_timeout_s=args.startup_timeout or (600.0 if args.engine == "vllm" else 120.0),
             status_interval_s=args.status_interval,
             ready_file=args.ready_file,
             out=sys.stdout,
+            # vLLM takes longer than the reference worker to shut its engine and NIXL down.
+            stop_grace_s=15.0 if args.engine == "vllm" else 10.0,
         )
 
 

@@ -117,7 +117,12 @@ class ChildProcess:
         self._log.close()
 
     def group_alive(self) -> bool:
-        """Whether any process of the child's process group still exists."""
+        """Whether any process of the child's process group still runs. Zombies do not count:
+        vLLM's engine processes linger as zombies for a moment after a clean exit, until init
+        reaps them, and must not read as a child that ignored SIGTERM."""
+        proc = Path("/proc")
+        if proc.is_dir():
+            return any(_runs_in_group(entry, self._proc.pid) for entry in proc.iterdir())
         try:
             os.killpg(self._proc.pid, 0)
         except ProcessLookupError:
@@ -125,3 +130,13 @@ class ChildProcess:
         except PermissionError:
             return True
         return True
+
+
+def _runs_in_group(entry: Path, pgid: int) -> bool:
+    if not entry.name.isdigit():
+        return False
+    try:
+        fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False  # gone meanwhile
+    return fields[0] != "Z" and int(fields[2]) == pgid

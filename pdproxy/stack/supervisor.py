@@ -151,6 +151,8 @@ class Supervisor:
         report = []
         for child in children:
             rc = child.wait(deadline)
+            while rc is not None and child.group_alive() and time.monotonic() < deadline:
+                time.sleep(0.1)  # the leader exited; its own children are finishing
             killed = False
             if rc is None or child.group_alive():
                 logger.warning("%s (pid %d) ignored SIGTERM: killing", child.spec.name, child.pid)

@@ -107,7 +107,7 @@ async def test_producer_4xx_is_relayed_not_retried(fake: FakeFactory, proxy: Pro
     async with px.client() as c:
         r = await c.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 400
-    assert r.json()["error"]["code"] == "fake"
+    assert r.json()["error"]["code"] == 400
     assert p2.received == [] and d.received == []
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from loadtest.fake_backend import nixl_producer_answer
 from pdproxy.legs import PRODUCER_REMOVED_FIELDS
 from pdproxy.routing.base import RequestOutcome
 from tests.pdproxy.conftest import (
@@ -119,16 +120,7 @@ async def test_nixl_legs_follow_the_rules(
     assert prod.path == cons.path == path
     assert prod.json() == expected_producer_leg(client, NIXL_PRODUCER)
     # The consumer gets the producer's returned object verbatim.
-    answered = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": [1, 2],
-        "remote_engine_id": "engine-P",
-        "remote_request_id": f"cmpl-{prod.headers['x-request-id']}-0",
-        "remote_host": "127.0.0.1",
-        "remote_port": 5600,
-        "tp_size": 1,
-    }
+    answered = nixl_producer_answer("P", prod.headers["x-request-id"], "127.0.0.1")
     assert cons.json() == {**client, "kv_transfer_params": answered}
     # Floats are written as the client wrote them (no f32 rounding).
     if "top_p" in client:
@@ -326,7 +318,7 @@ async def test_consumer_status_and_error_body_are_relayed(
     async with px.client() as c:
         r = await c.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert r.status_code == 400
-    assert r.json()["error"]["code"] == "fake"
+    assert r.json()["error"]["code"] == 400
     assert len(d.completions()) == 1  # 4xx is the client's problem: not retried
 
 

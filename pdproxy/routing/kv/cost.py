@@ -226,8 +226,11 @@ def plan_route(
         consumers=tuple(s.name for s in c_ranked),
         producers=tuple(s.name for s in p_ranked),
         reason=_reason(prompt, p_ranked, p_held),
-        # The consumer reads its own prefix and fetches every other full block from the producer.
-        predicted_cached_tokens=_cached_tokens(shape.blocks, shape),
+        # The consumer reads its own prefix and fetches every other full block from the producer;
+        # vLLM reports the fetched ones as external, not cached.
+        predicted_cached_tokens=_cached_tokens(
+            c_held if settings.pd_cached_tokens == "consumer_local" else shape.blocks, shape
+        ),
         consumer_scores=tuple(c_ranked),
         producer_scores=tuple(p_ranked),
     )

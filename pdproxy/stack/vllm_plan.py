@@ -1,0 +1,118 @@
+"""``pdproxy up --engine vllm``: the stack plan with real vLLM producers and consumers.
+
+Same shape as :func:`pdproxy.stack.plan.build_plan` (workers first, the proxy last, one config
+file), with vLLM instances instead of reference workers: NIXL between producers and consumers,
+the proxy in the NIXL dialect, and the KV router matched to vLLM (block size, the model
+directory's tokenizer and chat template, events from every instance).
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+from pdproxy.stack.plan import PortSource, StackOptions, StackPlan, free_port
+from pdproxy.stack.process import ProcessSpec
+from pdproxy.stack.vllm_engine import (
+    SERVED_NAME,
+    VllmPaths,
+    VllmRole,
+    proxy_backend,
+    router_options,
+    vllm_instance,
+)
+
+
+def proxy_config(
+    backends: list[dict[str, Any]],
+    paths: VllmPaths,
+    *,
+    host: str,
+    port: int,
+    router: str = "kv",
+    admin_key: str = "",
+    redis_url: str | None = None,
+) -> dict[str, Any]:
+    """The proxy's config for vLLM backends (also what the system tests run)."""
+    config: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "backends": backends,
+        "router": router,
+        # vLLM on a few shared cores answers health checks slowly while it computes.
+        "health": {"interval_s": 1.0, "healthy_threshold": 1, "unhealthy_threshold": 5},
+    }
+    if admin_key:
+        config["admin_key"] = admin_key
+    if router == "kv":
+        options = router_options(paths)
+        if redis_url:
+            options["index_url"] = redis_url
+        config["router_options"] = options
+    return config
+
+
+def build_vllm_plan(
+    options: StackOptions,
+    paths: VllmPaths,
+    run_dir: Path,
+    ports: PortSource = free_port,
+) -> StackPlan:
+    if options.producers < 1 or options.consumers < 1:
+        raise ValueError("a PD stack needs at least one producer and one consumer")
+    problem = paths.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    socket_dir = run_dir / "sockets"
+    socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    roles = [(VllmRole.PRODUCER, i) for i in range(options.producers)]
+    roles += [(VllmRole.CONSUMER, i) for i in range(options.consumers)]
+    instances = [
+        vllm_instance(
+            f"{role.value[0]}{i}",
+            role,
+            paths,
+            http_port=ports(),
+            side_channel_port=ports(),
+            socket_dir=socket_dir,
+            extra_args=options.worker_args,
+        )
+        for role, i in roles
+    ]
+    host = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host
+    admin_key = secrets.token_hex(16)
+    config = proxy_config(
+        [proxy_backend(i) for i in instances],
+        paths,
+        host=options.host,
+        port=options.port,
+        router=options.router,
+        admin_key=admin_key,
+        redis_url=options.redis_url,
+    )
+    config_path = run_dir / "proxy.yaml"
+    argv = (
+        options.python, "-m", "pdproxy.cli", "serve",
+        "--config", str(config_path),
+        "--host", options.host,
+        "--port", str(options.port),
+        *options.proxy_args,
+    )  # fmt: skip
+    proxy = ProcessSpec(
+        name="proxy",
+        argv=argv,
+        health_url=f"http://{host}:{options.port}/ready",
+        role="proxy",
+    )
+    return StackPlan(
+        options=options,
+        workers=tuple(i.spec for i in instances),
+        proxy=proxy,
+        proxy_config=config,
+        config_path=config_path,
+        endpoint=f"http://{host}:{options.port}",
+        model_name=SERVED_NAME,
+        events={i.spec.name: i.events_endpoint for i in instances},
+        admin_key=admin_key,
+    )
