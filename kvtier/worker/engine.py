@@ -308,7 +308,9 @@ class Engine:
             self._finish(req, FinishReason.STOP, text, token=token, stop=req.stop_matcher.matched)
         elif len(req.output_ids) >= req.params.max_tokens:
             text += req.stop_matcher.push(req.detok.flush()) + req.stop_matcher.finish()
-            self._finish(req, FinishReason.LENGTH, text, token=token)
+            matched = req.stop_matcher.matched  # a match that waited on a longer candidate
+            reason = FinishReason.LENGTH if matched is None else FinishReason.STOP
+            self._finish(req, reason, text, token=token, stop=matched)
         else:
             req.outputs.put_nowait(StepOutput(token_ids=(token,), text=text))
 

@@ -106,7 +106,12 @@ def test_real_vllm_032_producer_answer_parses_as_a_consumer_leg() -> None:
     }
     leg = parse_leg(captured, "unused")
     assert leg == ConsumerLeg(
-        Dialect.NIXL, "cmpl-8c0f1c33dcbf267f-0-b2915f54", "127.0.0.1", 42285, 1
+        Dialect.NIXL,
+        "cmpl-8c0f1c33dcbf267f-0-b2915f54",
+        "127.0.0.1",
+        42285,
+        1,
+        remote_engine_id="04bbb1e3-a8cb-474a-a85d-fe6de15639cb",  # the P2P handshake pins it
     )
 
 

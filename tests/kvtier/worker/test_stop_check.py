@@ -41,6 +41,15 @@ def test_held_back_text_is_released_once_it_cannot_match() -> None:
     assert matcher.finish() == "XOP" and matcher.matched is None
 
 
+def test_a_match_waits_for_a_longer_stop_string_that_starts_earlier() -> None:
+    # Found by hypothesis: "a" completes inside "ba" but "baa" starts earlier and may complete.
+    assert run(["ba", "a"], ["a", "baa"]) == ("", "baa")
+    assert run(["ba", "c"], ["a", "baa"]) == ("b", "a")
+    matcher = StopStringMatcher(["a", "baa"])
+    assert matcher.push("ba") == "" and matcher.matched is None
+    assert matcher.finish() == "b" and matcher.matched == "a"  # the request ended meanwhile
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     text=st.text(alphabet="abc ", max_size=30),
