@@ -99,6 +99,23 @@ def _url_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
+def proxy_process(options: StackOptions, config_path: Path, url_host: str) -> ProcessSpec:
+    """``pdproxy serve`` on the stack's config; healthy once ``/ready`` answers (any engine)."""
+    argv = (
+        options.python, "-m", "pdproxy.cli", "serve",
+        "--config", str(config_path),
+        "--host", options.host,
+        "--port", str(options.port),
+        *options.proxy_args,
+    )  # fmt: skip
+    return ProcessSpec(
+        name="proxy",
+        argv=argv,
+        health_url=f"http://{url_host}:{options.port}/ready",
+        role="proxy",
+    )
+
+
 def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_port) -> StackPlan:
     if options.producers < 1 or options.consumers < 1:
         raise ValueError("a PD stack needs at least one producer and one consumer")
@@ -170,19 +187,7 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
     if options.router == "kv":
         proxy_config["router_options"] = router_options
     config_path = run_dir / "proxy.yaml"
-    proxy_argv = (
-        options.python, "-m", "pdproxy.cli", "serve",
-        "--config", str(config_path),
-        "--host", options.host,
-        "--port", str(options.port),
-        *options.proxy_args,
-    )  # fmt: skip
-    proxy = ProcessSpec(
-        name="proxy",
-        argv=proxy_argv,
-        health_url=f"http://{host}:{options.port}/ready",
-        role="proxy",
-    )
+    proxy = proxy_process(options, config_path, host)
     return StackPlan(
         options=options,
         workers=tuple(workers),

@@ -12,8 +12,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from pdproxy.stack.plan import PortSource, StackOptions, StackPlan, free_port
-from pdproxy.stack.process import ProcessSpec
+from pdproxy.stack.plan import PortSource, StackOptions, StackPlan, free_port, proxy_process
 from pdproxy.stack.vllm_engine import (
     SERVED_NAME,
     VllmPaths,
@@ -92,19 +91,7 @@ def build_vllm_plan(
         redis_url=options.redis_url,
     )
     config_path = run_dir / "proxy.yaml"
-    argv = (
-        options.python, "-m", "pdproxy.cli", "serve",
-        "--config", str(config_path),
-        "--host", options.host,
-        "--port", str(options.port),
-        *options.proxy_args,
-    )  # fmt: skip
-    proxy = ProcessSpec(
-        name="proxy",
-        argv=argv,
-        health_url=f"http://{host}:{options.port}/ready",
-        role="proxy",
-    )
+    proxy = proxy_process(options, config_path, host)
     return StackPlan(
         options=options,
         workers=tuple(i.spec for i in instances),
