@@ -4,6 +4,7 @@ the gate on ``kv_transfer_params``."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,11 +17,17 @@ from pdproxy.headers import bearer_token
 from pdproxy.settings import ApiKey
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
 class ClientKeys:
     """The configured client keys; none configured means no authentication."""
 
     def __init__(self, keys: list[ApiKey]) -> None:
-        self._trusted = {k.key.get_secret_value(): k.trusted for k in keys}
+        # Keyed by digest: a dict lookup compares the presented value with a stored one byte by
+        # byte, and that timing may only ever reveal digests, never a prefix of a real key.
+        self._trusted = {_digest(k.key.get_secret_value()): k.trusted for k in keys}
 
     @property
     def required(self) -> bool:
@@ -31,7 +38,7 @@ class ClientKeys:
         if not self._trusted:
             return False
         token = bearer_token(headers)
-        trusted = self._trusted.get(token) if token is not None else None
+        trusted = self._trusted.get(_digest(token)) if token is not None else None
         if trusted is None:
             raise ClientRequestError(401, "invalid or missing API key", code="invalid_api_key")
         return trusted
