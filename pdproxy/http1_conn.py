@@ -286,19 +286,23 @@ class Conn(asyncio.Protocol):
         self.state = IDLE
         self.idle_since = self._loop.time()
 
+    def _take_buffered(self) -> bytes:
+        """Every body byte buffered so far, as one piece; reading resumes if it was paused."""
+        chunks = self._chunks
+        body = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+        return body
+
     async def read_chunk(self) -> bytes:
         """All body bytes received so far (waiting for some); b"" at the end of the body."""
         while True:
             if self._chunks:
-                chunks = self._chunks
-                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._buffered = 0
-                if self._paused:
-                    self._paused = False
-                    if self.transport is not None and not self.closed:
-                        self.transport.resume_reading()
-                return chunk
+                return self._take_buffered()
             if self._error is not None:
                 raise self._error
             if self.state == DONE:
@@ -315,14 +319,7 @@ class Conn(asyncio.Protocol):
         """The whole body, at most ``max_answer_bytes`` of it (else ResponseTooLarge)."""
         if self.state == DONE and self._error is None:
             # Usually the whole answer arrived with its head: take it without awaiting.
-            chunks = self._chunks
-            body = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-            chunks.clear()
-            self._buffered = 0
-            if self._paused:
-                self._paused = False
-                if self.transport is not None and not self.closed:
-                    self.transport.resume_reading()
+            body = self._take_buffered()
             if len(body) > self._max_answer_bytes:
                 self.abort()
                 raise ResponseTooLarge(f"answer exceeds {self._max_answer_bytes} bytes")
