@@ -125,17 +125,20 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
     agg = proxy_config(agg_backends, paths, host="127.0.0.1", port=0)
     # Predictions written at routing time expire fast, so the routing test sees events only.
     agg["router_options"]["prediction_ttl_s"] = 0.05
-    pd_url, pd_argv = _write_proxy(run_dir, "pd", pd)
-    agg_url, agg_argv = _write_proxy(run_dir, "agg", agg)
     env = {"PYTHONPATH": str(ROOT)}
-    proxies = [
-        ProcessSpec("pd-proxy", tuple(pd_argv), pd_url + "/ready", env, "proxy"),
-        ProcessSpec("agg-proxy", tuple(agg_argv), agg_url + "/ready", env, "proxy"),
-    ]
     started = time.monotonic()
     with Supervisor(log_dir, stop_grace_s=15.0) as supervisor:
         supervisor.start([i.spec for i in instances.values()])
         supervisor.wait_healthy(STARTUP_TIMEOUT_S)
+        # The proxies' ports are picked only now: while vLLM starts, NIXL/UCX and ZMQ bind
+        # ephemeral ports of their own, and one of them took a port picked earlier (a CI run
+        # failed with "address already in use").
+        pd_url, pd_argv = _write_proxy(run_dir, "pd", pd)
+        agg_url, agg_argv = _write_proxy(run_dir, "agg", agg)
+        proxies = [
+            ProcessSpec("pd-proxy", tuple(pd_argv), pd_url + "/ready", env, "proxy"),
+            ProcessSpec("agg-proxy", tuple(agg_argv), agg_url + "/ready", env, "proxy"),
+        ]
         supervisor.start(proxies)
         supervisor.wait_healthy(60.0)
         print(f"\nvLLM stack up in {time.monotonic() - started:.0f} s (logs in {log_dir})")
