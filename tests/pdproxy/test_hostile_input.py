@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit
 
+import httpx
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from loadtest.fake_backend import FakeBackend
 from pdproxy.legs import PRODUCER_REMOVED_FIELDS
 from tests.pdproxy.conftest import (
     FakeFactory,
@@ -187,15 +189,17 @@ async def test_reused_client_request_id_never_reaches_engines(
     assert len(engine_ids) == 3  # each producer supply named after its own leg
 
 
-async def test_producer_naming_another_kv_address_is_refused(
-    fake: FakeFactory, proxy: ProxyFactory
-) -> None:
+async def _p2p_request_with_kv_address(
+    fake: FakeFactory, proxy: ProxyFactory, kv_address: str
+) -> tuple[FakeBackend, FakeBackend, httpx.Response, str]:
+    """One P2P request through a producer whose answers name 127.0.0.1:7123, configured with
+    ``kv_address``; returns the producer, the consumer, the answer and the proxy's metrics."""
     p = await fake("P", p2p_port=7123)
     d = await fake("D")
     px = await proxy(
         quick_settings(
             [
-                backend_entry(p, "producer", "p2p", kv_address="127.0.0.1:7999"),
+                backend_entry(p, "producer", "p2p", kv_address=kv_address),
                 backend_entry(d, "consumer", "p2p"),
             ]
         )
@@ -203,6 +207,13 @@ async def test_producer_naming_another_kv_address_is_refused(
     async with px.client() as c:
         r = await c.post("/v1/completions", json={"prompt": "x"})
         metrics = (await c.get("/metrics")).text
+    return p, d, r, metrics
+
+
+async def test_producer_naming_another_kv_address_is_refused(
+    fake: FakeFactory, proxy: ProxyFactory
+) -> None:
+    p, d, r, metrics = await _p2p_request_with_kv_address(fake, proxy, "127.0.0.1:7999")
     assert r.status_code == 200
     assert r.headers["x-pdproxy-fallback"] == "consumer-only"  # the consumer recomputed
     [leg] = d.completions()
@@ -215,19 +226,7 @@ async def test_producer_naming_another_kv_address_is_refused(
 async def test_producer_at_its_configured_kv_address_is_used(
     fake: FakeFactory, proxy: ProxyFactory
 ) -> None:
-    p = await fake("P", p2p_port=7123)
-    d = await fake("D")
-    px = await proxy(
-        quick_settings(
-            [
-                backend_entry(p, "producer", "p2p", kv_address="127.0.0.1:7123"),
-                backend_entry(d, "consumer", "p2p"),
-            ]
-        )
-    )
-    async with px.client() as c:
-        r = await c.post("/v1/completions", json={"prompt": "x"})
-        metrics = (await c.get("/metrics")).text
+    _, d, r, metrics = await _p2p_request_with_kv_address(fake, proxy, "127.0.0.1:7123")
     assert r.status_code == 200 and "x-pdproxy-fallback" not in r.headers
     prefiller = d.completions()[0].json()["kv_transfer_params"]["remote_prefiller"]
     assert (prefiller["remote_host"], prefiller["remote_port"]) == ("127.0.0.1", 7123)
