@@ -14,10 +14,12 @@ serve`` passes it to uvicorn), upstream legs only to configured backends.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import FastAPI
@@ -41,7 +43,11 @@ from pdproxy.request_path import RequestPath
 from pdproxy.routing.base import Router
 from pdproxy.routing.factory import build_router
 from pdproxy.settings import Dialect, ProxySettings
+from pdproxy.tracing import build_request_tracer
 from pdproxy.upstream import Upstream
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class ProxyState:
         settings: ProxySettings,
         router: Router | None = None,
         clock: Callable[[], float] = time.monotonic,
+        span_exporter: SpanExporter | None = None,
     ) -> None:
         self.settings = settings
         self.registry = BackendRegistry(settings.breaker, clock)
@@ -71,6 +78,7 @@ class ProxyState:
         self.upstream = Upstream(settings.timeouts, settings.upstream)
         self.health = HealthChecker(settings.health, self.registry, self.upstream, self.metrics)
         self.models = ModelList(self.registry, self.upstream, settings.models_cache_s)
+        self.tracer = build_request_tracer(settings.tracing, span_exporter)
         self.request_path = RequestPath(
             settings=settings,
             registry=self.registry,
@@ -79,6 +87,7 @@ class ProxyState:
             metrics=self.metrics,
             admission=self.admission,
             health=self.health,
+            tracer=self.tracer,
         )
         self.draining = False
 
@@ -104,6 +113,8 @@ class ProxyState:
         await self.request_path.drain_background(self.settings.timeouts.release_s)
         await self.router.close()
         await self.upstream.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # flushes the last spans
 
 
 class ProxyApp(FastAPI):
@@ -141,11 +152,13 @@ def create_app(
     *,
     router: Router | None = None,
     clock: Callable[[], float] = time.monotonic,
+    span_exporter: SpanExporter | None = None,
 ) -> ProxyApp:
     """Build a proxy app. ``router`` overrides ``settings.router`` (tests, embedding); a router
     built from settings registers its metrics on the app's registry (``/metrics``), an injected
-    one keeps its own."""
-    state = ProxyState(settings, router, clock)
+    one keeps its own. ``span_exporter`` turns tracing on with that exporter instead of the
+    ``OTEL_*`` settings' one (:mod:`pdproxy.tracing`)."""
+    state = ProxyState(settings, router, clock, span_exporter)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

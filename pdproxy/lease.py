@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -34,6 +35,9 @@ from pdproxy.relay import Relay
 from pdproxy.release import Supply, SupplyReleaser
 from pdproxy.request_ids import REQUEST_ID_HEADER, RequestId, leg_request_id
 from pdproxy.routing.base import RequestOutcome, RouteDecision, Router
+
+if TYPE_CHECKING:
+    from pdproxy.tracing_spans import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +102,7 @@ class RequestLease:
         "_releaser", "_releases", "_router", "_suspects", "cached_tokens", "canceller",
         "client_request_id", "consumer", "consumer_first_byte_s", "decision", "dialect",
         "fallback", "producer", "producer_s", "request_id", "retries", "route", "route_s",
-        "stage", "supply", "t0",
+        "stage", "supply", "t0", "trace",
     )  # fmt: skip
 
     def __init__(
@@ -143,6 +147,8 @@ class RequestLease:
         self.consumer_first_byte_s = 0.0
         self.stage = "read"
         """Where the request is: read, queue, route, producer, consumer, stream."""
+        self.trace: RequestTrace | None = None
+        """The request's spans when tracing is on (:mod:`pdproxy.tracing_spans`)."""
 
     @property
     def closed(self) -> bool:
@@ -202,6 +208,8 @@ class RequestLease:
             self._admitted = False
             self._admission.release()
         self._metrics.count_request(self.route, status, self.dialect)
+        if self.trace is not None:
+            self.trace.end(self, ok, status)
         if self.decision is not None:
             outcome = RequestOutcome(
                 producer=self.producer, consumer=self.consumer, ok=ok,

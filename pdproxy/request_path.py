@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
@@ -55,6 +56,9 @@ from pdproxy.settings import ProxySettings
 from pdproxy.trace_context import trace_headers
 from pdproxy.upstream import Upstream
 
+if TYPE_CHECKING:
+    from pdproxy.tracing_spans import RequestTracer
+
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_STATUS = 499
@@ -71,8 +75,10 @@ class RequestPath:
         metrics: ProxyMetrics,
         admission: Admission,
         health: HealthChecker,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self._settings = settings
+        self._tracer = tracer
         self._registry = registry
         self._router = router
         self._metrics = metrics
@@ -105,6 +111,8 @@ class RequestPath:
             metrics=self._metrics,
             confirm_failure=self._health.confirm,
         )
+        if self._tracer is not None:
+            lease.trace = self._tracer.start(lease.request_id, route, request.headers)
         try:
             body = await self._respond(request, lease)
         except BaseException:
@@ -188,9 +196,14 @@ class RequestPath:
         pool = candidates(self._registry, with_producers=not passthrough)
         lease.dialect = pool.dialect.value
         lease.stage = "route"
+        trace = lease.trace
+        if trace is not None:
+            trace.routing()
         request = RouteRequest(lease.request_id, lease.route, body.data, len(body.raw))
         decision = await self._router.route(request, pool.producers, pool.consumers)
         lease.decision = decision
+        if trace is not None:
+            trace.routed(decision)
         # Server-Timing's ``route``: the router's own decision time when it reports one (the
         # KV router: tokenize, hash, match, score, record), else the time the call took here.
         lease.route_s = decision.route_time_s or time.perf_counter() - t
@@ -201,9 +214,13 @@ class RequestPath:
         kv_params = None
         if decision.producers:
             lease.stage = "producer"
+            producers = list(decision.producers)
             kv_params = await self._producers.run(
-                lease, body, list(decision.producers), pool.dialect, base
-            )
+                lease, body, producers, pool.dialect,
+                base if trace is None else trace.leg("producer", producers, base),
+            )  # fmt: skip
+            if trace is not None:
+                trace.producer_done(lease, kv_params is not None)
             if kv_params is None:
                 if not self._fallback:
                     raise LegFailed("producers", "every producer attempt failed")
@@ -211,11 +228,12 @@ class RequestPath:
                 self._metrics.fallbacks.inc()
                 log.warning("request %s: producers failed; consumer serves alone", lease.request_id)
         lease.stage = "consumer"
+        consumers = list(decision.consumers)
         return await self._consumers.run(
             lease,
             consumer_body(body, kv_params),
-            list(decision.consumers),
-            base,
+            consumers,
+            base if trace is None else trace.leg("consumer", consumers, base),
             stream=body.data.get("stream") is True,
         )
 

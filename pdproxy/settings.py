@@ -34,6 +34,7 @@ from pydantic_settings import (
 from pdproxy.errors import ConfigError
 from pdproxy.origin import base_prefix
 from pdproxy.routing.base import Role
+from pdproxy.tracing import OtelSettings, otel_settings
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -294,6 +295,11 @@ class ProxySettings(BaseSettings):
     debug_headers: bool = False
     """Answer ``x-pdproxy-debug: 1`` with an ``x-pdproxy-route`` header explaining the routing
     decision. Off by default: the explanation names backends and their load."""
+    tracing: OtelSettings = Field(default_factory=OtelSettings)
+    """OpenTelemetry tracing, from the standard ``OTEL_*`` variables (:mod:`pdproxy.tracing`);
+    off unless an exporter or an OTLP endpoint is set."""
+
+    _tracing_over_env = field_validator("tracing", mode="before")(otel_settings)
 
     @model_validator(mode="after")
     def _unique_backend_names(self) -> ProxySettings:

@@ -6,11 +6,16 @@ backend. So a header is forwarded only when it is well formed and within the siz
 ask implementations to propagate (tracestate: 32 members, 512 bytes kept; baggage: 64 members,
 8192 bytes); anything else is dropped (never truncated: a cut value could change its meaning).
 A ``tracestate`` without a valid ``traceparent`` is dropped too, as the spec says.
+
+:class:`TraceParent` is the one parsed form of a ``traceparent``: validation uses it, and the
+proxy's own spans (:mod:`pdproxy.tracing`, when tracing is on) continue a client's trace from it
+and name themselves to the engine legs with :meth:`TraceParent.child`.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 
@@ -32,16 +37,53 @@ _BAGGAGE_KEY = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _BAGGAGE_VALUE = re.compile(r"^[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*$")
 
 
+SAMPLED = 0x01
+"""The ``sampled`` bit of ``trace-flags``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceParent:
+    """A valid W3C ``traceparent``: which trace, which parent span, and its flags."""
+
+    trace_id: str
+    """32 lower-case hex digits, not all zero."""
+    parent_id: str
+    """16 lower-case hex digits, not all zero: the span the next hop is a child of."""
+    flags: int
+
+    @classmethod
+    def parse(cls, value: str) -> TraceParent | None:
+        """The parsed header, or None when it is malformed or oversized. A later version's
+        extra fields are accepted and not kept (a version-00 implementation reads the first
+        four fields of any later version, and propagates version 00)."""
+        if len(value) > TRACEPARENT_MAX:
+            return None
+        m = _TRACEPARENT.match(value)
+        if m is None:
+            return None
+        version, trace_id, parent_id, flags, rest = m.groups()
+        if version == "ff" or (version == "00" and rest):
+            return None
+        if trace_id == "0" * 32 or parent_id == "0" * 16:
+            return None
+        return cls(trace_id, parent_id, int(flags, 16))
+
+    @property
+    def sampled(self) -> bool:
+        return bool(self.flags & SAMPLED)
+
+    def child(self, span_id: str, sampled: bool) -> TraceParent:
+        """The same trace with ``span_id`` as the parent of the next hop."""
+        flags = (self.flags | SAMPLED) if sampled else (self.flags & ~SAMPLED)
+        return TraceParent(self.trace_id, span_id, flags)
+
+    def header(self) -> str:
+        """The version-00 header value."""
+        return f"00-{self.trace_id}-{self.parent_id}-{self.flags:02x}"
+
+
 def valid_traceparent(value: str) -> bool:
-    if len(value) > TRACEPARENT_MAX:
-        return False
-    m = _TRACEPARENT.match(value)
-    if m is None:
-        return False
-    version, trace_id, parent_id, _flags, rest = m.groups()
-    if version == "ff" or (version == "00" and rest):
-        return False
-    return trace_id != "0" * 32 and parent_id != "0" * 16
+    return TraceParent.parse(value) is not None
 
 
 def valid_tracestate(value: str) -> bool:

@@ -86,8 +86,10 @@ async def proxy() -> AsyncIterator[ProxyFactory]:
     """``await proxy(settings)`` runs pdproxy under uvicorn (httptools) on a free port."""
     running: list[RunningProxy] = []
 
-    async def make(settings: ProxySettings, router: Router | None = None) -> RunningProxy:
-        app = create_app(settings, router=router)
+    async def make(
+        settings: ProxySettings, router: Router | None = None, **app_options: Any
+    ) -> RunningProxy:
+        app = create_app(settings, router=router, **app_options)
         port = free_port()
         config = uvicorn.Config(
             app,
