@@ -85,6 +85,19 @@ class OtelSettings(BaseSettings):
             )
         return value
 
+    @field_validator("exporter_otlp_headers", "exporter_otlp_traces_headers")
+    @classmethod
+    def _key_value_headers(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            parse_key_values(value.get_secret_value(), "headers")
+        return value
+
+    @field_validator("resource_attributes")
+    @classmethod
+    def _key_value_resource(cls, value: str) -> str:
+        parse_key_values(value, "resource attributes")
+        return value
+
     @property
     def exporter(self) -> Exporter:
         """The exporter in effect after the rules in the module docstring."""
