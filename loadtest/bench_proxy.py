@@ -16,8 +16,12 @@ after comparison is only meaningful within one run. ``--rounds N`` runs each cel
 alternating the modes (floor, baseline, proxy), and adds them up, so load drift hits every mode
 alike.
 
+``--trace`` makes this tree's proxy trace every request (OpenTelemetry, exported over OTLP/HTTP
+to a sink in the load generator's process, whose CPU is not the proxy's). With
+``--baseline-tree .`` the baseline is the same code untraced, so the CPU ratio is tracing's cost.
+
     python -m loadtest.bench_proxy [--duration 2] [--max-requests 4000] [--rounds 1]
-        [--baseline-tree DIR]
+        [--baseline-tree DIR] [--trace]
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from functools import partial
 
 import aiohttp
 import orjson
+
+from loadtest.otlp_sink import OtlpSink
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -238,9 +244,15 @@ async def _bench(args: argparse.Namespace) -> list[Cell]:
     baseline_tree: str | None = args.baseline_tree
     modes = ("floor", "baseline", "pdproxy") if baseline_tree else ("floor", "pdproxy")
     cells: list[Cell] = []
+    sink = await OtlpSink().start() if args.trace else None
+    proxy_env = env
+    if sink is not None:
+        proxy_env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                     "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
     with contextlib.ExitStack() as stack:
         stack.enter_context(_process(backends))
-        pids = {"pdproxy": stack.enter_context(_process(_proxy_argv(x_port, p_url, d_url), env))}
+        argv = _proxy_argv(x_port, p_url, d_url)
+        pids = {"pdproxy": stack.enter_context(_process(argv, proxy_env))}
         if baseline_tree:
             # ``-m`` puts the working directory first on sys.path: run it from the other tree.
             old_env = {**env, "PYTHONPATH": baseline_tree}
@@ -281,6 +293,9 @@ async def _bench(args: argparse.Namespace) -> list[Cell]:
                                 own=time.process_time() - own0,
                             )  # fmt: skip
                     cells.extend(sums[mode].cell(mode, kind, conc) for mode in modes)
+    if sink is not None:
+        await sink.stop()
+        print(f"OTLP sink: {sink.exports} exports, {sink.bytes} bytes of spans")
     return cells
 
 
@@ -336,6 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--baseline-tree", metavar="DIR",
         help="another checkout whose proxy is measured in the same run (before/after)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace", action="store_true",
+        help="this tree's proxy traces every request to an in-process OTLP sink",
     )  # fmt: skip
     args = parser.parse_args(argv)
     try:
