@@ -247,8 +247,14 @@ async def _bench(args: argparse.Namespace) -> list[Cell]:
     sink = await OtlpSink().start() if args.trace else None
     proxy_env = env
     if sink is not None:
-        proxy_env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-                     "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
+        # Exports every 200 ms; the last flush at shutdown (the sink is gone by then) gives up
+        # after 1 s instead of 10.
+        proxy_env = {
+            **env,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "1000",
+        }
     with contextlib.ExitStack() as stack:
         stack.enter_context(_process(backends))
         argv = _proxy_argv(x_port, p_url, d_url)
@@ -293,9 +299,10 @@ async def _bench(args: argparse.Namespace) -> list[Cell]:
                                 own=time.process_time() - own0,
                             )  # fmt: skip
                     cells.extend(sums[mode].cell(mode, kind, conc) for mode in modes)
-    if sink is not None:
-        await sink.stop()
-        print(f"OTLP sink: {sink.exports} exports, {sink.bytes} bytes of spans")
+        if sink is not None:
+            # Stopped while this loop still runs: stopping the proxies blocks it.
+            await sink.stop()
+            print(f"OTLP sink: {sink.exports} exports, {sink.bytes} bytes of spans")
     return cells
 
 

@@ -5,12 +5,14 @@ OpenTelemetry SDK module is even imported."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -219,3 +221,17 @@ def test_bad_tracing_settings_are_refused(tracing: dict[str, object]) -> None:
 def test_malformed_key_value_lists_are_refused(tracing: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="is not key=value"):
         ProxySettings(tracing=tracing)
+
+
+@pytest.mark.slow
+def test_bench_proxy_measures_tracing_against_the_same_tree_untraced() -> None:
+    repo = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_proxy", "--duration", "0.3",
+         "--max-requests", "40", "--concurrency", "1", "--baseline-tree", repo, "--trace"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith(("nonstream", "stream64"))]
+    assert len(rows) == 6 and all(line.split()[-1] == "0" for line in rows)
+    exports = re.search(r"OTLP sink: (\d+) exports, (\d+) bytes", out)
+    assert exports is not None and int(exports.group(1)) > 0 and int(exports.group(2)) > 0
