@@ -261,3 +261,32 @@ async def test_sampled_out_trace_still_propagates_unsampled(
     spans = await finished_spans(exporter, 4)
     assert {span_hex(span)[0] for span in spans} == {CLIENT_TRACE}
     assert len(spans) == 4
+
+
+async def test_a_client_cannot_force_sampling_past_a_ratio_sampler(
+    fake: FakeFactory, proxy: ProxyFactory
+) -> None:
+    """The attacker sends ``sampled=1`` on every request to make the proxy record and export
+    them all. With a parent-based sampler (the default) that works, by design of W3C trace
+    context; an operator who does not want it sets ``traceidratio``, which ignores the flag."""
+    d = await fake("D")
+    exporter = InMemorySpanExporter()
+    px = await proxy(
+        quick_settings(
+            [backend_entry(d, "consumer", dialect="none")],
+            tracing={"traces_sampler": "traceidratio", "traces_sampler_arg": 0},
+        ),
+        span_exporter=exporter,
+    )
+    async with px.client() as c:
+        for _ in range(5):
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "x"},
+                             headers={"traceparent": TRACEPARENT})  # fmt: skip
+            assert r.status_code == 200
+    for leg in d.completions():
+        sent = TraceParent.parse(leg.headers["traceparent"])
+        assert sent is not None and sent.trace_id == CLIENT_TRACE and not sent.sampled
+    # Every request's lease has closed (the fake saw all five legs and answered); none
+    # recorded a span.
+    assert len(d.completions()) == 5
+    assert exporter.get_finished_spans() == ()
