@@ -208,8 +208,6 @@ class RequestLease:
             self._admitted = False
             self._admission.release()
         self._metrics.count_request(self.route, status, self.dialect)
-        if self.trace is not None:
-            self.trace.end(self, ok, status)
         if self.decision is not None:
             outcome = RequestOutcome(
                 producer=self.producer, consumer=self.consumer, ok=ok,
@@ -219,6 +217,11 @@ class RequestLease:
                 await self._router.finished(self.decision, outcome)
             except Exception:
                 log.exception("request %s: router.finished failed", self.request_id)
+        if self.trace is not None:  # last: everything above is given back whatever it does
+            try:
+                self.trace.end(self, ok, status)
+            except Exception:
+                log.exception("request %s: ending its trace failed", self.request_id)
 
     def _release_supply(self, supply: Supply) -> None:
         self._releaser.release(supply, leg_request_id(self.request_id, "release", self._releases))
