@@ -35,6 +35,7 @@ from pdproxy.errors import ClientRequestError
 from pdproxy.health import HealthChecker
 from pdproxy.http_errors import client_error_response, error_response
 from pdproxy.intake import ClientKeys
+from pdproxy.membership.service import MembershipService
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.models import ModelList
 from pdproxy.request_path import RequestPath
@@ -71,6 +72,10 @@ class ProxyState:
         self.upstream = Upstream(settings.timeouts, settings.upstream)
         self.health = HealthChecker(settings.health, self.registry, self.upstream, self.metrics)
         self.models = ModelList(self.registry, self.upstream, settings.models_cache_s)
+        self.membership = MembershipService(
+            settings.membership, self.registry, clock=clock,
+            metrics_registry=self.metrics.registry,
+        )  # fmt: skip
         self.request_path = RequestPath(
             settings=settings,
             registry=self.registry,
@@ -97,8 +102,10 @@ class ProxyState:
                 )  # fmt: skip
         await self.router.start()
         await self.health.start()
+        await self.membership.start()
 
     async def close(self) -> None:
+        await self.membership.close()
         await self.health.close()
         await self.models.close()
         await self.request_path.drain_background(self.settings.timeouts.release_s)
@@ -213,7 +220,7 @@ def create_app(
     app.add_route("/ready", ready, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
     admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
-    app.router.routes.extend(AdminApi(state.registry, admin_key).routes())
+    app.router.routes.extend(AdminApi(state.registry, admin_key, state.membership).routes())
     return app
 
 
