@@ -111,7 +111,7 @@ class DnsDiscovery:
             targets = []
             for host, port in await self._srv(group.query):
                 targets += [(address, port) for address in await self._addresses(host)]
-        unique = sorted(set(targets), key=lambda t: (ipaddress.ip_address(t[0]), t[1]))
+        unique = sorted(set(targets), key=_order)
         limit = self._settings.max_backends_per_group
         if len(unique) > limit:
             log.warning(
@@ -168,6 +168,12 @@ def backend_config(group: DnsGroup, address: str, port: int) -> BackendConfig:
             f"tcp://{host}:{group.events_replay_port}" if group.events_replay_port else None
         ),
     )
+
+
+def _order(target: tuple[str, int]) -> tuple[int, int, int]:
+    """IPv4 before IPv6, then by address and port: a stable order for the per-group cap."""
+    ip = ipaddress.ip_address(target[0])
+    return ip.version, int(ip), target[1]
 
 
 def _resolver(settings: DnsDiscoverySettings) -> dns.asyncresolver.Resolver:
