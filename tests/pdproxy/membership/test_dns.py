@@ -7,7 +7,6 @@ request must succeed, and a backend must be out of the registry before its serve
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ from pdproxy.membership.settings import DnsDiscoverySettings, DnsGroup, Membersh
 from pdproxy.routing.base import Role
 from pdproxy.settings import BreakerSettings
 from tests.conftest import free_port
-from tests.pdproxy.conftest import ProxyFactory, eventually, quick_settings
+from tests.pdproxy.conftest import ProxyFactory, quick_settings
 from tests.pdproxy.membership.dnsmasq import Dnsmasq
 from tests.pdproxy.membership.load import Load
 

@@ -116,7 +116,7 @@ def test_a_source_cannot_take_a_configured_or_foreign_backend() -> None:
 
 
 def test_sync_drains_only_the_owners_vanished_backends() -> None:
-    registry, membership, _ = setup()
+    _registry, membership, _ = setup()
     membership.sync("dns", "a", [config("a1"), config("a2")])
     membership.sync("dns", "b", [config("b1")])
     membership.sync("dns", "a", [config("a2"), config("a3")])
@@ -125,7 +125,7 @@ def test_sync_drains_only_the_owners_vanished_backends() -> None:
 
 
 def test_admin_removal_is_noticed() -> None:
-    registry, membership, clock = setup(grace=0)
+    registry, membership, _clock = setup(grace=0)
     membership.join("dns", "g", config("d1"))
     registry.remove("d1")  # DELETE /admin/backends/d1
     membership.join("dns", "g", config("d1"))  # the next round brings it back
