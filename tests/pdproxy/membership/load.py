@@ -26,6 +26,7 @@ class Load:
         max_s: float = 120.0,
         headers: dict[str, str] | None = None,
         max_tokens: int = 5,
+        model: str = "m",
     ) -> None:
         self._url = url
         self._concurrency = concurrency
@@ -33,6 +34,7 @@ class Load:
         self._max_s = max_s
         self._headers = headers or {}
         self._max_tokens = max_tokens
+        self._model = model
         self._stop = asyncio.Event()
         self._numbers = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
@@ -71,7 +73,7 @@ class Load:
                 return
             stream = n % 2 == 0
             body = {
-                "model": "m",
+                "model": self._model,
                 "prompt": f"request {n} " + "x" * (n % 37),
                 "max_tokens": self._max_tokens,
                 "stream": stream,
