@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -92,7 +93,7 @@ def make_server(sock: zmq.asyncio.Socket, keys: CurveServer) -> None:
     sock.curve_server = True
 
 
-def make_client(sock: zmq.asyncio.Socket, keys: CurveClient) -> None:
+def make_client(sock: zmq.Socket[Any], keys: CurveClient) -> None:
     """Before ``connect``: ``sock`` talks only to the server holding ``keys.server_public_key``."""
     sock.curve_serverkey = keys.server_public_key
     sock.curve_publickey = keys.public_key

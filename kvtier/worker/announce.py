@@ -6,8 +6,9 @@ address, plus its model and KV event endpoints) every ``announce_interval_s``; t
 a worker whose heartbeats stop. On shutdown the worker says it is leaving, so the proxy stops
 routing to it at once rather than at the heartbeat timeout; requests already in flight finish.
 
-Sends never block: with no proxy connected a heartbeat is dropped (libzmq reconnects by
-itself), and at most a few queue while the connection is down.
+Sends never block and never queue stale heartbeats: a message goes out only on a connection
+whose handshake completed (``ZMQ_IMMEDIATE``); otherwise it is dropped and retried shortly
+(libzmq reconnects by itself).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import zmq
-import zmq.asyncio
 
 from kvtier.announce import Announcement, Kind, encode
 from kvtier.events.curve import CurveClient, load_client, make_client
@@ -31,6 +31,8 @@ _KINDS: dict[str, Kind] = {"producer": "P", "consumer": "D", "both": "PD"}
 _ANY_HOST = ("0.0.0.0", "::", "", "*")
 _SNDHWM = 4
 _LINGER_MS = 1000
+_RETRY_S = 0.1
+"""After a dropped heartbeat (no connection yet), try again this soon."""
 
 
 @runtime_checkable
@@ -78,8 +80,10 @@ class Announcer:
         self._announcement = announcement
         self._keys = keys
         self._interval_s = interval_s
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        # A plain (not asyncio) socket: every send is NOBLOCK, so it never waits, and a send's
+        # failure is known at once (leave() is called from synchronous shutdown code).
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._task: asyncio.Task[None] | None = None
         self.sent = 0
         self.dropped = 0
@@ -102,9 +106,10 @@ class Announcer:
     def start(self) -> None:
         if self._sock is not None:
             return
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         sock = self._sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
         # vLLM's DEALER names itself by its zmq address.
         identity = self._announcement.zmq_address or self._announcement.http_address
@@ -119,17 +124,19 @@ class Announcer:
     async def _heartbeat(self) -> None:
         payload = encode(self._announcement)
         while True:
-            self._send(payload)
-            await asyncio.sleep(self._interval_s)
+            sent = self._send(payload)
+            await asyncio.sleep(self._interval_s if sent else min(self._interval_s, _RETRY_S))
 
-    def _send(self, payload: bytes) -> None:
+    def _send(self, payload: bytes) -> bool:
         if self._sock is None:
-            return
+            return False
         try:
             self._sock.send(payload, zmq.NOBLOCK)
-            self.sent += 1
         except zmq.Again:
             self.dropped += 1
+            return False
+        self.sent += 1
+        return True
 
     def leave(self) -> None:
         """Stop heartbeating and tell the proxy this worker is leaving. Idempotent."""
