@@ -14,7 +14,12 @@ message. kvtier keeps that message as it is and adds optional keys, which vLLM's
 - ``"leaving": true``: it is shutting down; drain it now rather than at the heartbeat timeout.
 
 For a producer, ``zmq_address`` is where its KV is fetched (kvtier's P2P server, vLLM's NCCL
-side channel), so the proxy checks producers' answers against it (``kv_address``).
+side channel), so the proxy checks producers' answers against it (``kv_address``). Other vLLM
+senders use the same message with more keys: the MoRIIO connector adds ``dp_size``,
+``tp_size`` and ``transfer_mode`` and packs several ports into ``zmq_address``
+(``host:H,handshake:P,notify:Q``). Unknown keys are ignored (at most :data:`MAX_KEYS` in all),
+and a ``zmq_address`` that is not ``host:port`` is kept as opaque text: never connected to,
+never a ``kv_address``.
 
 :func:`decode` reads untrusted bytes: it bounds the size before unpacking, accepts only the
 keys above with their types and sizes, and names the bad field, never its value.
@@ -33,6 +38,7 @@ from kvtier.errors import AnnouncementError
 MAX_MESSAGE_BYTES = 4096
 """An announcement is a few hundred bytes; nothing larger is unpacked."""
 MAX_MODELS = 32
+MAX_KEYS = 16
 MAX_TEXT_CHARS = 255
 """An address, endpoint, name or model name."""
 HEARTBEAT_S = 3.0
@@ -44,7 +50,6 @@ _DIALECTS: frozenset[str] = frozenset({"nixl", "p2p", "none"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252})$")
 _TEXT_KEYS = ("name", "dialect", "events_endpoint", "events_replay_endpoint", "zmq_address")
-_KEYS = frozenset({"type", "http_address", "models", "leaving", *_TEXT_KEYS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +65,22 @@ class Announcement:
     events_replay_endpoint: str | None = None
     leaving: bool = False
 
+    @property
+    def kv_address(self) -> str | None:
+        """``zmq_address`` when it is one ``host:port`` (else None: opaque to the proxy)."""
+        if not self.zmq_address:
+            return None
+        try:
+            split_host_port(self.zmq_address)
+        except AnnouncementError:
+            return None
+        return self.zmq_address
+
     def hosts(self) -> list[str]:
         """Every host this announcement would make the proxy connect to (brackets removed)."""
         hosts = [split_host_port(self.http_address)[0]]
-        if self.zmq_address:
-            hosts.append(split_host_port(self.zmq_address)[0])
+        if self.kv_address:
+            hosts.append(split_host_port(self.kv_address)[0])
         for endpoint in (self.events_endpoint, self.events_replay_endpoint):
             if endpoint:
                 hosts.append(split_host_port(endpoint.removeprefix("tcp://"))[0])
@@ -104,15 +120,12 @@ def decode(payload: bytes) -> Announcement:
     try:
         data = msgpack.unpackb(
             payload, raw=False, strict_map_key=True, max_array_len=MAX_MODELS,
-            max_map_len=len(_KEYS), max_str_len=MAX_TEXT_CHARS, max_bin_len=0, max_ext_len=0,
+            max_map_len=MAX_KEYS, max_str_len=MAX_TEXT_CHARS, max_bin_len=0, max_ext_len=0,
         )  # fmt: skip
     except (ValueError, msgpack.UnpackException) as exc:
         raise AnnouncementError("announcement is not a msgpack map within the limits") from exc
     if not isinstance(data, dict):
         raise AnnouncementError("announcement is not a map")
-    unknown = set(data) - _KEYS
-    if unknown:
-        raise AnnouncementError(f"announcement has {len(unknown)} unknown key(s)")
     kind = data.get("type")
     if kind not in _KINDS:
         raise AnnouncementError("type must be P, D or PD")
@@ -121,8 +134,6 @@ def decode(payload: bytes) -> Announcement:
     if http_address is None:
         raise AnnouncementError("http_address is missing")
     split_host_port(http_address)
-    if text["zmq_address"]:
-        split_host_port(text["zmq_address"])
     if text["name"] is not None and not _NAME_RE.match(text["name"]):
         raise AnnouncementError(f"name must match {_NAME_RE.pattern}")
     if text["dialect"] is not None and text["dialect"] not in _DIALECTS:

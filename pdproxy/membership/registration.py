@@ -239,7 +239,7 @@ class RegistrationListener:
         role = _ROLES[announcement.kind]
         host, port = announcement.http_address.rsplit(":", 1)
         name = announcement.name or f"reg-{_UNSAFE.sub('-', host.strip('[]'))}-{port}"
-        kv_address = announcement.zmq_address if role is not Role.CONSUMER else None
+        kv_address = announcement.kv_address if role is not Role.CONSUMER else None
         return BackendConfig(
             name=name[:64],
             url=f"http://{announcement.http_address}",

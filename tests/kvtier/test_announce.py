@@ -27,6 +27,26 @@ def test_vllm_p2p_nccl_message_decodes() -> None:
     assert decode_side.kind == "D" and decode_side.hosts() == ["::1", "::1"]
 
 
+def test_vllm_moriio_message_decodes() -> None:
+    """vLLM's MoRIIO connector heartbeat: extra keys (ignored) and a zmq_address that packs
+    several ports (opaque: never a KV address, never connected to)."""
+    payload = msgpack.dumps(
+        {
+            "type": "D",
+            "http_address": "10.0.0.5:8200",
+            "zmq_address": "host:10.0.0.5,handshake:6301,notify:6401",
+            "dp_size": 1,
+            "tp_size": 2,
+            "transfer_mode": "READ",
+        }
+    )
+    ann = decode(payload)
+    assert (ann.kind, ann.http_address, ann.kv_address) == ("D", "10.0.0.5:8200", None)
+    assert ann.hosts() == ["10.0.0.5"]
+    with pytest.raises(AnnouncementError):  # past MAX_KEYS
+        decode(msgpack.dumps({f"k{i}": i for i in range(17)} | {"type": "P"}))
+
+
 def test_vllm_proxy_reads_kvtier_messages() -> None:
     """vLLM's example proxy reads ``type``, ``http_address`` and ``zmq_address`` from our
     message; the extra keys are ignored there."""
@@ -78,7 +98,6 @@ def test_roundtrip(
         {"type": "P", "http_address": "1.2.3.4:99999"},
         {"type": "P", "http_address": "user@evil:80"},
         {"type": "P", "http_address": 5},
-        {"type": "P", "http_address": "1.2.3.4:80", "admin": True},
         {"type": "P", "http_address": "1.2.3.4:80", "events_endpoint": "tcp://*:5557"},
         {"type": "P", "http_address": "1.2.3.4:80", "events_endpoint": "ipc:///tmp/x"},
         {"type": "P", "http_address": "1.2.3.4:80", "name": "../../etc"},

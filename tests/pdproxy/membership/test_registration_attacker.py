@@ -161,7 +161,7 @@ async def test_admitted_key_is_held_to_its_own_address_and_names(listening: List
         await worker.send(vllm_message("D", 8100, events_endpoint="tcp://*:5557"))
         await worker.send(vllm_message("D", 8100) | {"http_address": "localhost:8100"})
         await worker.send(vllm_message("D", 8101, name="static"))  # a configured backend
-        await worker.send(vllm_message("D", 8102, admin=True))
+        await worker.send(vllm_message("D", 8102, models="not-a-list"))
         await eventually(
             lambda: (
                 ctx.outcome("address") == 4
