@@ -10,7 +10,9 @@ from typing import Any
 import httpx
 
 from loadtest.fake_backend import Behavior, FakeBackend
+from pdproxy.routing.kv.router import KvRouter
 from pdproxy.settings import ProxySettings
+from tests.conftest import free_port
 from tests.pdproxy.conftest import (
     FakeFactory,
     ProxyFactory,
@@ -142,5 +144,42 @@ async def test_leaving_drains_at_once_and_a_new_announcement_replaces(
         assert answer.status_code == 200
         await registrant.send(vllm_message("D", consumer.port, models=["a", "b"], leaving=True))
         await eventually(lambda: registry.get(name) is None, 5)  # long before the 60 s timeout
+    finally:
+        registrant.close()
+
+
+async def test_kv_router_follows_a_registered_workers_events(
+    registration_keys: RegistrationKeys, proxy: ProxyFactory, fake: FakeFactory
+) -> None:
+    """The announced ``events_endpoint`` is subscribed while the worker is a member, and
+    dropped (its residency forgotten) once it has been removed."""
+    consumer = await fake("D")
+    settings = registration_settings(registration_keys, [], heartbeat_timeout_s=60.0)
+    settings = settings.model_copy(
+        update={
+            "router": "kv",
+            "router_options": {"model_seed": "m/seed=0", "tokenizer": {"kind": "bytes"}},
+        }
+    )
+    running = await proxy(settings)
+    router = running.state.router
+    assert isinstance(router, KvRouter)
+    endpoint = running.state.membership.registration.endpoint
+    assert endpoint is not None
+    registrant = Registrant(
+        endpoint,
+        secret=registration_keys.worker_secret,
+        server_public=registration_keys.proxy_public,
+    )
+    name = f"reg-127.0.0.1-{consumer.port}"
+    events = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        await registrant.send(vllm_message("D", consumer.port, events_endpoint=events))
+        await eventually(lambda: router.feeds.subscriber(name) is not None, 10)
+        await registrant.send(
+            vllm_message("D", consumer.port, events_endpoint=events, leaving=True)
+        )
+        await eventually(lambda: running.state.registry.get(name) is None, 5)
+        await eventually(lambda: router.feeds.subscriber(name) is None, 10)
     finally:
         registrant.close()
