@@ -6,6 +6,9 @@ address, plus its model and KV event endpoints) every ``announce_interval_s``; t
 a worker whose heartbeats stop. On shutdown the worker says it is leaving, so the proxy stops
 routing to it at once rather than at the heartbeat timeout; requests already in flight finish.
 
+The first announcement waits until the worker's HTTP port accepts connections (the app's
+lifespan starts before uvicorn listens), so the proxy never routes to a port not yet open.
+
 Sends never block and never queue stale heartbeats: a message goes out only on a connection
 whose handshake completed (``ZMQ_IMMEDIATE``); otherwise it is dropped and retried shortly
 (libzmq reconnects by itself).
@@ -33,6 +36,7 @@ _SNDHWM = 4
 _LINGER_MS = 1000
 _RETRY_S = 0.1
 """After a dropped heartbeat (no connection yet), try again this soon."""
+_LISTEN_WAIT_S = 120.0
 
 
 @runtime_checkable
@@ -74,9 +78,17 @@ def _reachable(endpoint: str | None, host: str) -> str | None:
 
 class Announcer:
     def __init__(
-        self, endpoint: str, announcement: Announcement, keys: CurveClient, interval_s: float
+        self,
+        endpoint: str,
+        announcement: Announcement,
+        keys: CurveClient,
+        interval_s: float,
+        *,
+        listening: tuple[str, int] | None = None,
     ) -> None:
         self._endpoint = endpoint
+        self._listening = listening
+        """The worker's own HTTP ``(host, port)``: announced only once it accepts connections."""
         self._announcement = announcement
         self._keys = keys
         self._interval_s = interval_s
@@ -96,11 +108,13 @@ class Announcer:
         secret = settings.announce_curve_secret_key_file
         server = settings.announce_curve_server_key_file
         assert secret is not None and server is not None  # the settings require both
+        local = "127.0.0.1" if settings.host in _ANY_HOST else settings.host
         return cls(
             endpoint,
             worker_announcement(settings, p2p_port),
             load_client(secret, server),
             settings.announce_interval_s,
+            listening=(local, settings.port),
         )
 
     def start(self) -> None:
@@ -123,6 +137,8 @@ class Announcer:
 
     async def _heartbeat(self) -> None:
         payload = encode(self._announcement)
+        if self._listening is not None:
+            await _until_listening(*self._listening)
         while True:
             sent = self._send(payload)
             await asyncio.sleep(self._interval_s if sent else min(self._interval_s, _RETRY_S))
@@ -160,3 +176,21 @@ class Announcer:
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             await asyncio.to_thread(ctx.term)
+
+
+async def _until_listening(host: str, port: int) -> None:
+    """Until ``host:port`` accepts a TCP connection (bounded; then announce anyway: the
+    proxy's health checks and retries cover a port that never opens)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _LISTEN_WAIT_S
+    while loop.time() < deadline:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+        except (OSError, TimeoutError):
+            await asyncio.sleep(_RETRY_S)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
+    logger.warning("%s:%d did not accept connections; announcing anyway", host, port)

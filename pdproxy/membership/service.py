@@ -26,6 +26,7 @@ class MembershipService:
         metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self._clock = clock
+        self._enabled = bool(settings.dns.groups) or settings.registration.endpoint is not None
         self.membership = Membership(
             registry, settings, clock=clock, metrics=MembershipMetrics(metrics_registry)
         )
@@ -35,6 +36,8 @@ class MembershipService:
         )
 
     async def start(self) -> None:
+        if not self._enabled:
+            return
         await self.membership.start()
         try:
             await self.registration.start()

@@ -9,9 +9,10 @@ import pytest
 from pydantic import ValidationError
 
 from kvtier.announce import decode, encode
-from kvtier.events.curve import write_certificate
+from kvtier.events.curve import load_client, write_certificate
 from kvtier.worker.announce import Announcer, worker_announcement
 from kvtier.worker.settings import WorkerSettings
+from tests.conftest import free_port
 
 
 def test_announcement_of_a_producer_on_all_interfaces() -> None:
@@ -48,16 +49,33 @@ def test_announcing_needs_both_key_files(tmp_path: Path) -> None:
     assert Announcer.from_settings(WorkerSettings(), 0) is None
 
 
-async def test_announcer_never_blocks_without_a_proxy(tmp_path: Path) -> None:
-    """No proxy listening: heartbeats are dropped or queued (bounded), leave and close return."""
+def _announcer(tmp_path: Path, listening: tuple[str, int] | None) -> Announcer:
     public, secret = write_certificate(tmp_path, "w")
-    settings = WorkerSettings(
-        model="sim", announce_endpoint="tcp://127.0.0.1:9", announce_interval_s=0.01,
-        announce_curve_secret_key_file=secret, announce_curve_server_key_file=public,
-    )  # fmt: skip
-    announcer = Announcer.from_settings(settings, 0)
-    assert announcer is not None
+    announcement = worker_announcement(WorkerSettings(model="sim"), 0)
+    keys = load_client(secret, public)
+    return Announcer("tcp://127.0.0.1:9", announcement, keys, 0.01, listening=listening)
+
+
+async def test_announcer_never_blocks_without_a_proxy(tmp_path: Path) -> None:
+    """No proxy listening: heartbeats are dropped, not queued; leave and close return."""
+    announcer = _announcer(tmp_path, None)
     announcer.start()
     await asyncio.sleep(0.2)
     await announcer.close()
     assert announcer.sent == 0 and announcer.dropped >= 2  # nothing queued for nobody
+
+
+async def test_first_announcement_waits_for_the_http_port(tmp_path: Path) -> None:
+    port = free_port()
+    announcer = _announcer(tmp_path, ("127.0.0.1", port))
+    announcer.start()
+    try:
+        await asyncio.sleep(0.3)
+        assert announcer.sent + announcer.dropped == 0  # the port is not open yet
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+        async with server:
+            async with asyncio.timeout(10):
+                while announcer.dropped == 0:  # now it tries (no proxy: dropped)
+                    await asyncio.sleep(0.02)
+    finally:
+        await announcer.close()

@@ -40,7 +40,7 @@ def registration_settings(
                 "endpoint": "tcp://127.0.0.1:0",
                 "curve_secret_key_file": str(keys.proxy_secret),
                 "curve_clients_dir": str(keys.clients_dir),
-                "heartbeat_timeout_s": 1.0,
+                "heartbeat_timeout_s": 2.0,
                 "dialect": "nixl",
                 **registration,
             },
