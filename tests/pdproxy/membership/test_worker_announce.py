@@ -4,7 +4,9 @@ requests finish, it exits 0) and leaves the registry: no request fails."""
 
 from __future__ import annotations
 
+import logging
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from tests.pdproxy.membership.load import Load
 from tests.reliability.procs import ProcessGroup
 
 pytestmark = pytest.mark.slow
+log = logging.getLogger(__name__)
 
 
 @pytest.fixture
@@ -74,7 +77,9 @@ async def test_worker_announces_serves_and_leaves_under_load(
             ],
         )  # fmt: skip
         name = f"reg-127.0.0.1-{announcing.url.rsplit(':', 1)[1]}"
+        t = time.monotonic()
         await load.until(lambda: registry.get(name) is not None, timeout=30)
+        log.info("healthy worker to registered: %.2f s", time.monotonic() - t)
         backend = registry.get(name)
         assert backend is not None
         assert backend.role.value == "both" and backend.dialect.value == "p2p"
@@ -87,12 +92,15 @@ async def test_worker_announces_serves_and_leaves_under_load(
             ),
             timeout=60,
         )
+        t = time.monotonic()
         announcing.signal(signal.SIGTERM)  # leaving → drained → requests finish → removed
         await load.until(lambda: registry.get(name) is None, timeout=30)
+        log.info("SIGTERM to removal: %.2f s", time.monotonic() - t)
         assert backend.in_flight == 0
         ok = load.ok
         await load.until(lambda: load.ok >= ok + 20, timeout=60)
         assert announcing.proc is not None
         assert announcing.proc.wait(20) == 0  # a graceful stop
+    log.info("load: %d requests sent, %d ok, %d failed", load.sent, load.ok, len(load.failures))
     assert load.failures == []
     assert load.ok == load.sent
