@@ -9,7 +9,9 @@ routes and ``/v1/models`` need a key (trusted keys may also pass ``kv_transfer_p
 needs the admin key and is off without one. What a client can make the proxy do: one
 admitted request at a time per slot (``admission``), bodies bounded in size and read time,
 open connections capped (``admission.max_connections``, enforced by the server: ``pdproxy
-serve`` passes it to uvicorn), upstream legs only to configured backends.
+serve`` passes it to uvicorn), upstream legs only to configured backends (and to those DNS
+discovery or authenticated worker registration added: ``pdproxy.membership``, whose
+registration socket has its own threat model in ``pdproxy/membership/registration.py``).
 """
 
 from __future__ import annotations
