@@ -127,7 +127,7 @@ def decode(payload: bytes) -> Announcement:
     if not isinstance(data, dict):
         raise AnnouncementError("announcement is not a map")
     kind = data.get("type")
-    if kind not in _KINDS:
+    if not isinstance(kind, str) or kind not in _KINDS:
         raise AnnouncementError("type must be P, D or PD")
     text = {key: _text(data, key) for key in ("http_address", *_TEXT_KEYS)}
     http_address = text["http_address"]

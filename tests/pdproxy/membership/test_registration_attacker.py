@@ -17,7 +17,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from kvtier.events.curve import write_certificate
@@ -234,3 +237,42 @@ async def test_a_silent_connection_is_closed_after_the_handshake_timeout(
         await _closed_by_server(reader)
     finally:
         writer.close()
+
+
+_OUTCOMES = {"joined", "refreshed", "left", "unknown", "malformed", "address", "full", "conflict",
+             "owner", "rate"}  # fmt: skip
+_value = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=40), st.binary(max_size=40),
+    st.lists(st.text(max_size=10), max_size=4),
+    st.sampled_from(["P", "D", "PD", "127.0.0.1:8100", "10.0.0.1:1", "tcp://127.0.0.1:5557",
+                     "tcp://*:1", "static", "nixl"]),
+)  # fmt: skip
+_message = st.one_of(
+    st.binary(max_size=300),
+    st.dictionaries(
+        st.sampled_from(["type", "http_address", "zmq_address", "name", "models", "dialect",
+                         "events_endpoint", "leaving", "extra"]),
+        _value, max_size=9,
+    ).map(lambda d: msgpack.dumps(d, use_bin_type=True)),
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=st.lists(_message, max_size=30), keys=st.lists(st.sampled_from("abc"), max_size=30))
+def test_any_message_sequence_keeps_the_invariants(messages: list[bytes], keys: list[str]) -> None:
+    """Whatever admitted keys send: every message gets a known outcome (never an exception),
+    the configured backend is untouched, and the registrant cap holds."""
+    registry = BackendRegistry(BreakerSettings())
+    static = registry.add(
+        BackendConfig(name="static", url="http://127.0.0.1:9", role=Role.CONSUMER)
+    )
+    membership = Membership(registry, MembershipSettings())
+    settings_ = RegistrationSettings(max_registrants=3, max_messages_per_key_s=1000)
+    listener = RegistrationListener(settings_, membership)
+    for i, payload in enumerate(messages):
+        key = keys[i % len(keys)] if keys else "a"
+        assert listener.accept(payload, key * 40, "127.0.0.1") in _OUTCOMES
+    assert registry.get("static") is static and not static.draining
+    assert len(membership.members()) <= 3
+    for member in membership.members():
+        assert member.backend.url.startswith("http://127.0.0.1:")
