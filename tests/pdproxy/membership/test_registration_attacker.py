@@ -242,7 +242,8 @@ async def test_a_silent_connection_is_closed_after_the_handshake_timeout(
 _OUTCOMES = {"joined", "refreshed", "left", "unknown", "malformed", "address", "full", "conflict",
              "owner", "rate"}  # fmt: skip
 _value = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=40), st.binary(max_size=40),
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=40),
+    st.binary(max_size=40),
     st.lists(st.text(max_size=10), max_size=4),
     st.sampled_from(["P", "D", "PD", "127.0.0.1:8100", "10.0.0.1:1", "tcp://127.0.0.1:5557",
                      "tcp://*:1", "static", "nixl"]),
