@@ -180,6 +180,9 @@ class Membership:
             if self._registry.get(member.name) is not member.backend:
                 del self._members[member.name]  # the admin API removed it already
                 continue
+            if not member.backend.draining:  # undrained through the admin API: it stays
+                member.draining_since = member.idle_since = None
+                continue
             if member.backend.in_flight == 0:
                 if member.idle_since is None:
                     member.idle_since = now

@@ -135,6 +135,19 @@ def test_admin_removal_is_noticed() -> None:
     assert membership.sweep() == [] and membership.members() == []
 
 
+def test_admin_undrain_wins_over_a_membership_drain() -> None:
+    registry, membership, clock = setup(grace=0)
+    membership.join("dns", "g", config("d1"))
+    membership.leave("d1", "gone")
+    backend = registry.get("d1")
+    assert backend is not None
+    backend.draining = False  # POST /admin/backends/d1/undrain
+    clock.now += 10
+    assert membership.sweep() == [] and registry.get("d1") is backend and backend.routable
+    member = membership.get("d1")
+    assert member is not None and not member.draining
+
+
 def test_expire_drains_the_silent() -> None:
     _, membership, clock = setup()
     membership.join("registration", "k", config("w1"))

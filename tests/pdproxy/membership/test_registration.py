@@ -183,3 +183,17 @@ async def test_kv_router_follows_a_registered_workers_events(
         await eventually(lambda: router.feeds.subscriber(name) is None, 10)
     finally:
         registrant.close()
+
+
+async def test_members_listing_needs_the_admin_key(
+    registration_keys: RegistrationKeys, proxy: ProxyFactory
+) -> None:
+    running = await proxy(registration_settings(registration_keys, []))
+    async with httpx.AsyncClient(base_url=running.url) as client:
+        assert (await client.get("/admin/members")).status_code == 401
+        wrong = {"authorization": "Bearer not-the-admin-key"}
+        assert (await client.get("/admin/members", headers=wrong)).status_code == 401
+    assert await members(running.url) == []
+    plain = await proxy(quick_settings([]))  # no admin_key: the admin API is off
+    async with httpx.AsyncClient(base_url=plain.url) as client:
+        assert (await client.get("/admin/members")).status_code == 404
