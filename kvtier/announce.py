@@ -45,7 +45,7 @@ HEARTBEAT_S = 3.0
 """vLLM's ping interval."""
 
 Kind = Literal["P", "D", "PD"]
-_KINDS: frozenset[str] = frozenset({"P", "D", "PD"})
+_KINDS: dict[str, Kind] = {"P": "P", "D": "D", "PD": "PD"}
 _DIALECTS: frozenset[str] = frozenset({"nixl", "p2p", "none"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252})$")
@@ -126,8 +126,9 @@ def decode(payload: bytes) -> Announcement:
         raise AnnouncementError("announcement is not a msgpack map within the limits") from exc
     if not isinstance(data, dict):
         raise AnnouncementError("announcement is not a map")
-    kind = data.get("type")
-    if not isinstance(kind, str) or kind not in _KINDS:
+    raw_kind = data.get("type")
+    kind = _KINDS.get(raw_kind) if isinstance(raw_kind, str) else None
+    if kind is None:
         raise AnnouncementError("type must be P, D or PD")
     text = {key: _text(data, key) for key in ("http_address", *_TEXT_KEYS)}
     http_address = text["http_address"]
