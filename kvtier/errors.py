@@ -6,6 +6,7 @@ Hierarchy::
     ├── InvalidTokensError        token ids that cannot be hashed (negative, too large, not ints)
     ├── EventDecodeError          a KV event payload that does not decode to an EventBatch
     ├── EventSecurityError        KV event CURVE keys missing, unreadable or unsupported
+    ├── AnnouncementError         a worker announcement that does not decode (kvtier.announce)
     ├── ResidencyError            the residency index failed
     │   └── ResidencyUnavailable  the backing store (Redis) is down, slow or refused the call
     ├── OffloadError              the tiering manager was used against its contract
@@ -39,6 +40,11 @@ class EventDecodeError(KvtierError, ValueError):
 class EventSecurityError(KvtierError):
     """KV event CURVE keys that are missing, unreadable or not supported by this libzmq (the
     message names the file, never a key)."""
+
+
+class AnnouncementError(KvtierError, ValueError):
+    """A worker announcement (registration message) that is malformed or over its limits; the
+    message says which field, never the value."""
 
 
 class ResidencyError(KvtierError):

@@ -1,4 +1,5 @@
-"""Admin API: list, add, remove and drain backends at run time (admin key required).
+"""Admin API: list, add, remove and drain backends at run time (admin key required);
+``GET /admin/members`` lists the backends DNS discovery and worker registration added.
 
 Off unless ``admin_key`` is set. Changes live in memory only: the config file stays the
 source of truth on restart.
@@ -19,6 +20,7 @@ from pdproxy.backends import Backend, BackendRegistry
 from pdproxy.errors import ConfigError
 from pdproxy.headers import bearer_token
 from pdproxy.http_errors import error_response
+from pdproxy.membership.service import MembershipService
 from pdproxy.settings import BackendConfig, validation_error_text
 
 
@@ -41,9 +43,15 @@ def _json(data: Any, status: int = 200) -> Response:
 
 
 class AdminApi:
-    def __init__(self, registry: BackendRegistry, admin_key: str | None) -> None:
+    def __init__(
+        self,
+        registry: BackendRegistry,
+        admin_key: str | None,
+        membership: MembershipService | None = None,
+    ) -> None:
         self._registry = registry
         self._key = admin_key
+        self._membership = membership
 
     def routes(self) -> list[Route]:
         return [
@@ -52,6 +60,7 @@ class AdminApi:
             Route("/admin/backends/{name}", self._remove, methods=["DELETE"]),
             Route("/admin/backends/{name}/drain", self._drain, methods=["POST"]),
             Route("/admin/backends/{name}/undrain", self._undrain, methods=["POST"]),
+            Route("/admin/members", self._members, methods=["GET"]),
         ]
 
     def _refusal(self, request: Request) -> Response | None:
@@ -71,6 +80,12 @@ class AdminApi:
         if (refused := self._refusal(request)) is not None:
             return refused
         return _json({"backends": [backend_state(b) for b in self._registry.all()]})
+
+    async def _members(self, request: Request) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
+        members = self._membership.view() if self._membership is not None else []
+        return _json({"members": members})
 
     async def _add(self, request: Request) -> Response:
         if (refused := self._refusal(request)) is not None:

@@ -9,7 +9,9 @@ routes and ``/v1/models`` need a key (trusted keys may also pass ``kv_transfer_p
 needs the admin key and is off without one. What a client can make the proxy do: one
 admitted request at a time per slot (``admission``), bodies bounded in size and read time,
 open connections capped (``admission.max_connections``, enforced by the server: ``pdproxy
-serve`` passes it to uvicorn), upstream legs only to configured backends.
+serve`` passes it to uvicorn), upstream legs only to configured backends (and to those DNS
+discovery or authenticated worker registration added: ``pdproxy.membership``, whose
+registration socket has its own threat model in ``pdproxy/membership/registration.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pdproxy.errors import ClientRequestError
 from pdproxy.health import HealthChecker
 from pdproxy.http_errors import client_error_response, error_response
 from pdproxy.intake import ClientKeys
+from pdproxy.membership.service import MembershipService
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.models import ModelList
 from pdproxy.request_path import RequestPath
@@ -79,6 +82,10 @@ class ProxyState:
         self.health = HealthChecker(settings.health, self.registry, self.upstream, self.metrics)
         self.models = ModelList(self.registry, self.upstream, settings.models_cache_s)
         self.tracer = build_request_tracer(settings.tracing, span_exporter)
+        self.membership = MembershipService(
+            settings.membership, self.registry, clock=clock,
+            metrics_registry=self.metrics.registry,
+        )  # fmt: skip
         self.request_path = RequestPath(
             settings=settings,
             registry=self.registry,
@@ -106,8 +113,10 @@ class ProxyState:
                 )  # fmt: skip
         await self.router.start()
         await self.health.start()
+        await self.membership.start()
 
     async def close(self) -> None:
+        await self.membership.close()
         await self.health.close()
         await self.models.close()
         await self.request_path.drain_background(self.settings.timeouts.release_s)
@@ -226,7 +235,7 @@ def create_app(
     app.add_route("/ready", ready, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
     admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
-    app.router.routes.extend(AdminApi(state.registry, admin_key).routes())
+    app.router.routes.extend(AdminApi(state.registry, admin_key, state.membership).routes())
     return app
 
 

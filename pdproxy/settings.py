@@ -32,6 +32,7 @@ from pydantic_settings import (
 )
 
 from pdproxy.errors import ConfigError
+from pdproxy.membership.settings import MembershipSettings
 from pdproxy.origin import base_prefix
 from pdproxy.routing.base import Role
 from pdproxy.tracing import OtelSettings, otel_settings
@@ -65,6 +66,8 @@ class BackendConfig(BaseModel):
     """The publisher's replay socket (e.g. ``tcp://host:5559``): missed events are asked for
     here. Takes precedence over ``router_options.replay`` for this backend."""
     health_path: str = "/health"
+    models: tuple[str, ...] = ()
+    """Model names this backend serves (announced by registration or set per DNS group)."""
     kv_address: str | None = None
     """``host:port`` this producer announces for KV transfer (the P2P server, or NIXL's side
     channel). A producer answer naming another ``remote_host``/``remote_port`` is refused (the
@@ -284,6 +287,8 @@ class ProxySettings(BaseSettings):
     health: HealthSettings = Field(default_factory=HealthSettings)
     breaker: BreakerSettings = Field(default_factory=BreakerSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    membership: MembershipSettings = Field(default_factory=MembershipSettings)
+    """Backends found by DNS or announced by workers (``pdproxy.membership``)."""
 
     drain_delay_s: float = Field(default=0.0, ge=0)
     """After SIGTERM: seconds with readiness false before the listener closes."""

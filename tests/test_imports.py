@@ -20,7 +20,8 @@ def test_import_pdproxy_does_not_import_torch() -> None:
 def test_proxy_side_kvtier_modules_do_not_import_torch() -> None:
     code = (
         "import sys, importlib\n"
-        "for name in ('kvtier.keys', 'kvtier.events', 'kvtier.residency', 'kvtier.offload'):\n"
+        "for name in ('kvtier.keys', 'kvtier.events', 'kvtier.residency', 'kvtier.offload',\n"
+        "             'kvtier.announce'):\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
         "    except ModuleNotFoundError as e:\n"

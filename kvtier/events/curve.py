@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -92,7 +93,7 @@ def make_server(sock: zmq.asyncio.Socket, keys: CurveServer) -> None:
     sock.curve_server = True
 
 
-def make_client(sock: zmq.asyncio.Socket, keys: CurveClient) -> None:
+def make_client(sock: zmq.Socket[Any], keys: CurveClient) -> None:
     """Before ``connect``: ``sock`` talks only to the server holding ``keys.server_public_key``."""
     sock.curve_serverkey = keys.server_public_key
     sock.curve_publickey = keys.public_key
@@ -147,7 +148,9 @@ class ClientGate:
             return [b"1.0", frames[1] if len(frames) > 1 else b"", b"400", b"bad request", b"", b""]
         request_id, mechanism, credentials = frames[1], frames[5], frames[6:]
         if mechanism == b"CURVE" and len(credentials) == 1 and credentials[0] in self._allowed:
-            return [b"1.0", request_id, b"200", b"OK", b"", b""]
+            # The user id is the client's z85 public key: a receiving socket reads it from each
+            # message (``frame.get("User-Id")``) to tell which admitted client sent it.
+            return [b"1.0", request_id, b"200", b"OK", z85.encode(credentials[0]), b""]
         self.refused += 1
         logger.debug("KV events: refused a %s client", mechanism.decode(errors="replace"))
         return [b"1.0", request_id, b"400", b"client key not admitted", b"", b""]

@@ -61,6 +61,11 @@ _FLAGS: dict[str, dict[str, Any]] = {
     },
     "events-curve-secret-key-file": {"type": Path},
     "events-curve-clients-dir": {"type": Path},
+    "announce-endpoint": {"help": "proxy registration endpoint, e.g. tcp://proxy:30001"},
+    "announce-curve-secret-key-file": {"type": Path},
+    "announce-curve-server-key-file": {"type": Path},
+    "announce-interval-s": {"type": float},
+    "announce-name": {},
 }
 
 

@@ -68,6 +68,18 @@ class WorkerSettings(BaseSettings):
     """ZMQ PUB endpoint for KV events, e.g. ``tcp://*:5557`` (None: no events)."""
     events_replay_endpoint: str | None = None
     """ZMQ ROUTER endpoint answering replay requests (None: no replay)."""
+    announce_endpoint: str | None = None
+    """The proxy's registration endpoint (``tcp://proxy:30001``): announce this worker there
+    and heartbeat (``kvtier/worker/announce.py``). Needs both ``announce_curve_*`` files."""
+    announce_curve_secret_key_file: Path | None = None
+    """This worker's CURVE secret certificate for announcing (its public key must be in the
+    proxy's ``membership.registration.curve_clients_dir``)."""
+    announce_curve_server_key_file: Path | None = None
+    """The proxy's public CURVE certificate."""
+    announce_interval_s: float = Field(default=3.0, gt=0)
+    """Heartbeat interval (vLLM's is 3 s; the proxy drains after its ``heartbeat_timeout_s``)."""
+    announce_name: str | None = None
+    """Backend name to announce (default: the proxy derives one from the HTTP address)."""
     engine_id: str = ""
     device: str = "auto"
     block_size: int = 16
@@ -115,6 +127,18 @@ class WorkerSettings(BaseSettings):
         if (self.events_curve_secret_key_file is None) != (self.events_curve_clients_dir is None):
             raise ValueError(
                 "events_curve_secret_key_file and events_curve_clients_dir go together"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _announce_needs_keys(self) -> WorkerSettings:
+        if self.announce_endpoint is not None and (
+            self.announce_curve_secret_key_file is None
+            or self.announce_curve_server_key_file is None
+        ):
+            raise ValueError(
+                "announce_endpoint needs announce_curve_secret_key_file and "
+                "announce_curve_server_key_file"
             )
         return self
 

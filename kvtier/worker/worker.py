@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from kvtier.events import EventPublisher
 from kvtier.events.curve import CurveServer, load_server
+from kvtier.worker.announce import Announcer, ServesP2P
 from kvtier.worker.build import build_engine
 from kvtier.worker.connector import KVConnector
 from kvtier.worker.engine import Engine
@@ -51,6 +52,7 @@ class Worker:
             connector_factory(self) if connector_factory is not None else None
         )
         self._drain: asyncio.Task[None] | None = None
+        self.announcer: Announcer | None = None
 
     async def start(self) -> None:
         await self.engine.start()
@@ -58,6 +60,10 @@ class Worker:
             if self.connector is not None:
                 await self.connector.start()
             await self.events.start()
+            p2p_port = self.connector.p2p_port if isinstance(self.connector, ServesP2P) else 0
+            self.announcer = Announcer.from_settings(self.settings, p2p_port)
+            if self.announcer is not None:
+                self.announcer.start()
         except BaseException:
             await self.close()
             raise
@@ -66,6 +72,8 @@ class Worker:
         """Stop admitting requests; those in flight get ``settings.shutdown_timeout_s`` to finish
         before they are aborted. :meth:`close` then stops everything. Idempotent."""
         if self._drain is None:
+            if self.announcer is not None:
+                self.announcer.leave()  # the proxy stops routing here before we refuse
             self.engine.stop_admitting()
             logger.info(
                 "shutting down: no new requests; %d running, %d waiting",
@@ -77,6 +85,8 @@ class Worker:
             )
 
     async def close(self) -> None:
+        if self.announcer is not None:
+            await self.announcer.close()
         if self._drain is not None:
             self._drain.cancel()
             with contextlib.suppress(asyncio.CancelledError):
