@@ -32,6 +32,7 @@ from pydantic_settings import (
 )
 
 from pdproxy.errors import ConfigError
+from pdproxy.model_settings import ModelsSettings, check_model_name
 from pdproxy.origin import base_prefix
 from pdproxy.routing.base import Role
 
@@ -70,6 +71,14 @@ class BackendConfig(BaseModel):
     attempt fails over, counted in ``pdproxy_kv_address_mismatches``): the consumer would
     connect wherever the answer says. Unset: not checked (the proxy warns at start), i.e. the
     producer is trusted to name itself; set it in production."""
+    models: tuple[str, ...] = ()
+    """Models (and LoRA adapters) this backend serves; empty: learned from its ``/v1/models``
+    (until then it serves any model)."""
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(check_model_name(m) for m in value))
 
     @field_validator("name")
     @classmethod
@@ -283,6 +292,8 @@ class ProxySettings(BaseSettings):
     health: HealthSettings = Field(default_factory=HealthSettings)
     breaker: BreakerSettings = Field(default_factory=BreakerSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    models: ModelsSettings = Field(default_factory=ModelsSettings)
+    """Many models behind one proxy: per-model router options, adapters, limits."""
 
     drain_delay_s: float = Field(default=0.0, ge=0)
     """After SIGTERM: seconds with readiness false before the listener closes."""
@@ -301,6 +312,14 @@ class ProxySettings(BaseSettings):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"duplicate backend names: {dupes}")
+        cap = self.admission.max_concurrent
+        for model in {*self.models.served, "*"}:
+            limits = self.models.limits_of(model) if model != "*" else self.models.default_limits
+            if limits is not None and limits.max_concurrent + limits.queue_size >= cap:
+                raise ValueError(
+                    f"models: limits of {model!r} (max_concurrent + queue_size) must stay below "
+                    f"admission.max_concurrent ({cap}), or one model can starve the others"
+                )
         return self
 
     @classmethod
