@@ -86,9 +86,9 @@ class PerModelRouter:
     ) -> None:
         self._default = default
         self._build = build
-        self._configured = list(configured)
         self._known = known
-        self._routers: dict[str, Router] = {}
+        # Configured models' routers are built now, so bad options fail at configuration time.
+        self._routers: dict[str, Router] = {model: build(model) for model in configured}
         self._owners: dict[str, Router] = {}
         """Request id -> the router whose decision it is (``finished`` goes back there)."""
         self._lock = asyncio.Lock()
@@ -101,9 +101,7 @@ class PerModelRouter:
 
     async def start(self) -> None:
         await self._default.start()
-        for model in self._configured:
-            router = self._build(model)
-            self._routers[model] = router
+        for router in self._routers.values():
             await router.start()
         self._started = True
 

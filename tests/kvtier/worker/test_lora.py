@@ -113,3 +113,16 @@ async def test_pd_under_an_adapter_equals_single_node(model: str) -> None:
         result = await pd_request(producer, consumer, payload, "p2p")
         assert result.token_ids == expected
         assert consumer.worker.stats.recomputed_tokens == 0
+
+
+async def test_loading_adapters_needs_the_key() -> None:
+    """An attacker reaching the worker without the proxy's key can neither load nor unload."""
+    key = "k" * 32
+    async with running_worker(small_settings(model="sim", api_key=key, lora_modules=["a"])) as w:
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            resp = await w.client.post(path, json={"lora_name": "a"})
+            assert resp.status_code == 401
+        assert w.worker.loras.get("a") is not None
+        auth = {"Authorization": f"Bearer {key}"}
+        resp = await w.client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=auth)
+        assert resp.status_code == 200 and w.worker.loras.get("a") is None
