@@ -267,6 +267,9 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdproxy-up-"))  # mode 0700
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if args.engine == "vllm" and (options.models or options.lora):
+        print("error: --models and --lora need the reference workers (--engine worker)")
+        return 2
     try:
         if args.engine == "vllm":
             paths = VllmPaths.resolve(args.vllm_venv, args.vllm_model)

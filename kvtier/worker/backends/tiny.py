@@ -26,6 +26,7 @@ from kvtier.worker.kv_layout import KVGroupSpec, first_attended_position
 from kvtier.worker.page_pool import PagePool
 
 _LORA_RANK = 4
+_LORA_CACHE = 64
 BYTE_VOCAB = 256
 EOS_TOKEN_ID = 256
 
@@ -206,6 +207,8 @@ class TinyBackend:
             b = torch.randn(_LORA_RANK, vocab, generator=gen, dtype=torch.float64)
             scale = 2.0 / math.sqrt(hidden)
             factors = (a.to(self.lm_head) * scale, b.to(self.lm_head))
+            if len(self._lora) >= _LORA_CACHE:  # adapters come and go: keep the newest
+                del self._lora[next(iter(self._lora))]
             self._lora[key] = factors
         return factors
 
