@@ -3,7 +3,9 @@
 ``h[i] = xxh3_128(h[i-1] ‖ tokens_i ‖ extra_i)`` where ``tokens_i`` is block ``i``'s token ids as
 little-endian uint32 and ``h[-1]`` is derived from a seed string naming the model. A cache salt
 goes into block 0's extra only, so two tenants with different salts share no block while each
-tenant's chain still has the prefix property. Only full blocks are hashed.
+tenant's chain still has the prefix property. A LoRA adapter's name goes into every block's extra
+(before the salt in block 0), as vLLM keeps it in every block's extra keys: blocks computed
+under an adapter never match the base model's or another adapter's. Only full blocks are hashed.
 
 Hashes depend on nothing but their inputs (no ``hash()``, no PYTHONHASHSEED), so a router and a
 worker in different processes agree on them.
@@ -34,6 +36,7 @@ OFFLOAD_KEY_BYTES = BLOCK_HASH_BYTES + _GROUP_BYTES
 MAX_GROUPS = 1 << (8 * _GROUP_BYTES)
 _SEED_DOMAIN = b"kvtier/block-hash/v1\x00"
 _SALT_DOMAIN = b"\x00salt\x00"
+_LORA_DOMAIN = b"\x00lora\x00"
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 
 
@@ -65,6 +68,11 @@ def salt_extra(cache_salt: str | None) -> bytes:
     return b"" if not cache_salt else _SALT_DOMAIN + cache_salt.encode("utf-8")
 
 
+def lora_extra(lora_name: str | None) -> bytes:
+    """Every block's extra for a LoRA adapter (empty for the base model)."""
+    return b"" if not lora_name else _LORA_DOMAIN + lora_name.encode("utf-8") + b"\x00"
+
+
 @dataclass(frozen=True, slots=True)
 class BlockHasher:
     """Hashes prompts for one model: its seed and block size."""
@@ -85,11 +93,13 @@ class BlockHasher:
         cache_salt: str | None = None,
         parent: BlockHash | None = None,
         first_block_index: int = 0,
+        lora_name: str | None = None,
     ) -> list[BlockHash]:
         """Hashes of every full block of ``token_ids``.
 
         With ``parent`` and ``first_block_index`` the tokens continue an already hashed chain
-        (the salt applies only when the chain starts at block 0).
+        (the salt applies only when the chain starts at block 0). ``lora_name``: the blocks
+        are computed under that LoRA adapter.
         """
         data = encode_tokens(token_ids)
         step = self.block_size * 4
@@ -101,17 +111,23 @@ class BlockHasher:
         digest = xxhash.xxh3_128_digest
         append = out.append
         # Block 0 carries the salt; the hot loop below stays free of branches and calls.
-        extra0 = salt_extra(cache_salt) if first_block_index == 0 else b""
+        lora = lora_extra(lora_name)
+        extra0 = lora + (salt_extra(cache_salt) if first_block_index == 0 else b"")
         prev = digest(prev + data[:step] + extra0)
         append(BlockHash(prev))
+        if lora:
+            for i in range(step, end, step):
+                prev = digest(prev + data[i : i + step] + lora)
+                append(prev)  # type: ignore[arg-type]  # bytes is BlockHash at run time
+            return out
         for i in range(step, end, step):
             prev = digest(prev + data[i : i + step])
             append(prev)  # type: ignore[arg-type]  # bytes is BlockHash at run time
         return out
 
-    def start(self, cache_salt: str | None = None) -> PromptHashes:
+    def start(self, cache_salt: str | None = None, lora_name: str | None = None) -> PromptHashes:
         """An empty incremental hasher (e.g. for a conversation that grows turn by turn)."""
-        return PromptHashes(self, cache_salt)
+        return PromptHashes(self, cache_salt, lora_name)
 
 
 class PromptHashes:
@@ -120,11 +136,14 @@ class PromptHashes:
     Multi-turn chat appends to the history; rehashing it every turn would cost O(n²).
     """
 
-    __slots__ = ("_hasher", "_pending", "_salt", "hashes")
+    __slots__ = ("_hasher", "_lora", "_pending", "_salt", "hashes")
 
-    def __init__(self, hasher: BlockHasher, cache_salt: str | None = None) -> None:
+    def __init__(
+        self, hasher: BlockHasher, cache_salt: str | None = None, lora_name: str | None = None
+    ) -> None:
         self._hasher = hasher
         self._salt = cache_salt
+        self._lora = lora_name
         self._pending: list[int] = []
         self.hashes: list[BlockHash] = []
 
@@ -146,6 +165,7 @@ class PromptHashes:
             cache_salt=self._salt,
             parent=self.hashes[-1] if self.hashes else None,
             first_block_index=len(self.hashes),
+            lora_name=self._lora,
         )
         self.hashes.extend(new)
         return new

@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdproxy import __version__
 from pdproxy.admin import AdminApi
-from pdproxy.admission import Admission
+from pdproxy.admission import Admission, ModelAdmission
 from pdproxy.backends import BackendRegistry
 from pdproxy.errors import ClientRequestError
 from pdproxy.health import HealthChecker
@@ -41,6 +41,8 @@ from pdproxy.http_errors import client_error_response, error_response
 from pdproxy.intake import ClientKeys
 from pdproxy.membership.service import MembershipService
 from pdproxy.metrics import ProxyMetrics
+from pdproxy.model_catalog import ModelCatalog, ModelLearner
+from pdproxy.model_metrics import ModelMetrics
 from pdproxy.models import ModelList
 from pdproxy.request_path import RequestPath
 from pdproxy.routing.base import Router
@@ -71,15 +73,24 @@ class ProxyState:
             self.registry.add(config)
         self.admission = Admission(settings.admission)
         self.metrics = ProxyMetrics(self.registry, lambda: self.admission.queue_depth)
+        self.catalog = ModelCatalog(settings.models, self.registry)
+        self.model_admission = ModelAdmission(settings.models)
+        self.model_metrics = ModelMetrics(self.metrics.registry, self.model_admission)
         self.router = (
             router
             if router is not None
             else build_router(
-                settings, registry=self.registry, metrics_registry=self.metrics.registry
+                settings,
+                registry=self.registry,
+                metrics_registry=self.metrics.registry,
+                catalog=self.catalog,
             )
         )
         self.upstream = Upstream(settings.timeouts, settings.upstream)
-        self.health = HealthChecker(settings.health, self.registry, self.upstream, self.metrics)
+        learner = ModelLearner(self.catalog, self.upstream) if settings.models.learn else None
+        self.health = HealthChecker(
+            settings.health, self.registry, self.upstream, self.metrics, on_healthy=learner
+        )
         self.models = ModelList(self.registry, self.upstream, settings.models_cache_s)
         self.tracer = build_request_tracer(settings.tracing, span_exporter)
         self.membership = MembershipService(
@@ -95,6 +106,8 @@ class ProxyState:
             admission=self.admission,
             health=self.health,
             tracer=self.tracer,
+            catalog=self.catalog,
+            model_admission=self.model_admission,
         )
         self.draining = False
 

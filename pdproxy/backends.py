@@ -1,14 +1,34 @@
-"""Backends and their registry: health, breaker, drain state and in-flight counts."""
+"""Backends and their registry: health, breaker, drain state, in-flight counts and the models
+each serves.
+
+A backend's models are its configured ``models`` or, when none are configured, what its
+``/v1/models`` last said (:meth:`Backend.learn_models`); until a list is known the backend serves
+any model, so a proxy in front of engines that list nothing keeps working as before."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from pdproxy.breaker import CircuitBreaker
 from pdproxy.errors import ConfigError
 from pdproxy.routing.base import Role
 from pdproxy.settings import BackendConfig, BreakerSettings, Dialect
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSet:
+    """The models a backend serves, and which of them are LoRA adapters of which base."""
+
+    names: frozenset[str]
+    adapters: tuple[tuple[str, str], ...]
+    """(adapter, base) pairs, sorted."""
+
+    def __init__(self, names: Iterable[str], parents: dict[str, str]) -> None:
+        object.__setattr__(self, "names", frozenset(names))
+        pairs = sorted((a, b) for a, b in parents.items() if a in self.names)
+        object.__setattr__(self, "adapters", tuple(pairs))
 
 
 class Backend:
@@ -24,6 +44,7 @@ class Backend:
         "health_successes",
         "healthy",
         "kv_address",
+        "models",
         "removed",
     )
 
@@ -40,6 +61,8 @@ class Backend:
         self.auth_header: str | None = f"Bearer {key}" if key else None
         self.kv_address = config.kv_host_port
         """Where this producer's answers must say its KV is (None: not checked)."""
+        self.models: ModelSet | None = ModelSet(config.models, {}) if config.models else None
+        """What it serves (None: not known yet, so any model)."""
 
     @property
     def name(self) -> str:
@@ -71,6 +94,22 @@ class Backend:
 
     def serves(self, role: Role) -> bool:
         return self.config.role is role or self.config.role is Role.BOTH
+
+    def serves_model(self, model: str) -> bool:
+        """True when it serves ``model`` (a base model or a loaded adapter), or its list is
+        not known yet."""
+        return self.models is None or model in self.models.names
+
+    def learn_models(self, names: tuple[str, ...], parents: dict[str, str]) -> bool:
+        """Its ``/v1/models`` answered ``names`` (``parents``: adapter -> base). Configured
+        models win over learned ones. True when the set changed."""
+        if self.config.models:
+            return False
+        learned = ModelSet(names, parents)
+        if self.models == learned:
+            return False
+        self.models = learned
+        return True
 
     def begin(self) -> None:
         """A leg is about to be sent: count it in flight (and as the half-open probe). Called

@@ -1,10 +1,15 @@
 """Which backends a request may use, decided before the router ranks them.
 
 The router charges load and writes predictions for what it picks, so it must only ever see
-candidates the request can actually use: routable consumers, and producers that serve the same
-dialect (a ``none``-dialect pool, or a client that brought its own ``kv_transfer_params``, has
-no producer leg). When routable consumers speak several dialects, the pool whose consumers have
-the fewest requests in flight each serves the request (ties: nixl, p2p, none).
+candidates the request can actually use: routable consumers that serve the request's model,
+and producers that serve the same model and dialect (a ``none``-dialect pool, or a client that
+brought its own ``kv_transfer_params``, has no producer leg). When routable consumers speak
+several dialects, the pool whose consumers have the fewest requests in flight each serves the
+request (ties: nixl, p2p, none).
+
+A LoRA adapter goes to backends that have it loaded; only when none is routable, and the
+adapter is marked ``load_on_demand``, to backends serving its base model (an engine with a LoRA
+resolver loads it on first use). A known model with no routable backend is a 503.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 
 from pdproxy.backends import Backend, BackendRegistry
 from pdproxy.errors import NoBackendAvailable
+from pdproxy.model_catalog import ModelRef
 from pdproxy.settings import Dialect
 
 _DIALECT_ORDER = {Dialect.NIXL: 0, Dialect.P2P: 1, Dialect.NONE: 2}
@@ -25,13 +31,27 @@ class Candidates:
     consumers: list[Backend]
 
 
-def candidates(registry: BackendRegistry, *, with_producers: bool) -> Candidates:
-    """Raises :class:`NoBackendAvailable` (503) when no consumer is routable."""
+def _serving(backends: list[Backend], model: ModelRef | None) -> list[Backend]:
+    if model is None:
+        return backends
+    loaded = [b for b in backends if b.serves_model(model.name)]
+    if loaded or not model.load_on_demand or model.base is None:
+        return loaded
+    base = model.base
+    return [b for b in backends if b.serves_model(base)]
+
+
+def candidates(
+    registry: BackendRegistry, *, with_producers: bool, model: ModelRef | None = None
+) -> Candidates:
+    """Raises :class:`NoBackendAvailable` (503) when no consumer serving ``model`` is
+    routable."""
     by_dialect: dict[Dialect, list[Backend]] = {}
-    for consumer in registry.consumers():
+    for consumer in _serving(registry.consumers(), model):
         by_dialect.setdefault(consumer.dialect, []).append(consumer)
     if not by_dialect:
-        raise NoBackendAvailable("no healthy consumer backend")
+        what = f" for model {model.label!r}" if model is not None else ""
+        raise NoBackendAvailable(f"no healthy consumer backend{what}")
     if len(by_dialect) == 1:
         [(dialect, consumers)] = by_dialect.items()
     else:
@@ -41,5 +61,5 @@ def candidates(registry: BackendRegistry, *, with_producers: bool) -> Candidates
         )
     producers: list[Backend] = []
     if with_producers and dialect is not Dialect.NONE:
-        producers = [p for p in registry.producers() if p.dialect is dialect]
+        producers = [p for p in _serving(registry.producers(), model) if p.dialect is dialect]
     return Candidates(dialect, producers, consumers)

@@ -8,7 +8,8 @@ Hierarchy::
     ├── ClientRequestError     the client's request is refused before any leg (status + code)
     │   ├── BodyTooLarge       413 while reading the body
     │   ├── BodyReadTimeout    408: the body did not arrive within its deadline
-    │   └── Overloaded         admission queue full or wait timed out (429 + Retry-After)
+    │   ├── Overloaded         admission queue full or wait timed out (429 + Retry-After)
+    │   └── ModelNotFound      the request names a model no backend serves (404)
     ├── LegFailed              an upstream leg failed (connect, timeout, retryable status)
     │   └── KvAddressMismatch  a producer named a KV address other than its configured one
     ├── LegRefused             an upstream answered a client error (4xx): relayed as is
@@ -94,6 +95,19 @@ class Overloaded(ClientRequestError):
             code="overloaded",
             headers={"retry-after": str(retry_after_s)},
         )
+
+
+class ModelNotFound(ClientRequestError):
+    """The request's ``model`` is served by no backend (OpenAI's 404 ``model_not_found``)."""
+
+    def __init__(self, model: str) -> None:
+        shown = model if len(model) <= 256 else model[:256] + "..."
+        super().__init__(
+            404,
+            f"The model `{shown}` does not exist or you do not have access to it.",
+            code="model_not_found",
+        )
+        self.model = model
 
 
 class LegFailed(ProxyError):

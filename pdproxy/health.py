@@ -8,6 +8,9 @@ itself. Checks run concurrently and are bounded by the health-check timeout.
 it tried cannot tell whose fault it was, so each backend it suspects is checked at once (at
 most one check in flight per backend, whether or not periodic checks are enabled) and the
 breaker counts the failure only when the check fails too.
+
+``on_healthy`` runs after every good periodic check (the proxy learns the backend's models
+there, so a model loaded later is picked up).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 from pdproxy.backends import Backend, BackendRegistry
 from pdproxy.metrics import ProxyMetrics
@@ -31,11 +35,13 @@ class HealthChecker:
         registry: BackendRegistry,
         upstream: Upstream,
         metrics: ProxyMetrics | None = None,
+        on_healthy: Callable[[Backend], Awaitable[None]] | None = None,
     ) -> None:
         self._settings = settings
         self._registry = registry
         self._upstream = upstream
         self._metrics = metrics
+        self._on_healthy = on_healthy
         self._task: asyncio.Task[None] | None = None
         self._confirming: dict[str, asyncio.Task[None]] = {}
 
@@ -66,7 +72,10 @@ class HealthChecker:
             await asyncio.gather(*(self.check(b) for b in backends))
 
     async def check(self, backend: Backend) -> None:
-        self.record(backend, await self._probe(backend))
+        ok = await self._probe(backend)
+        self.record(backend, ok)
+        if ok and self._on_healthy is not None:
+            await self._on_healthy(backend)
 
     async def _probe(self, backend: Backend) -> bool:
         try:

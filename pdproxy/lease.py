@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from pdproxy.admission import Admission
+from pdproxy.admission import Admission, ModelSlot
 from pdproxy.backends import Backend
 from pdproxy.cancel import RequestCanceller
 from pdproxy.errors import KvAddressMismatch, LegFailed
@@ -101,8 +101,8 @@ class RequestLease:
         "_admission", "_admitted", "_closed", "_confirm_failure", "_holds", "_metrics",
         "_releaser", "_releases", "_router", "_suspects", "cached_tokens", "canceller",
         "client_request_id", "consumer", "consumer_first_byte_s", "decision", "dialect",
-        "fallback", "producer", "producer_s", "request_id", "retries", "route", "route_s",
-        "stage", "supply", "t0", "trace",
+        "fallback", "model_slot", "producer", "producer_s", "request_id", "retries", "route",
+        "route_s", "stage", "supply", "t0", "trace",
     )  # fmt: skip
 
     def __init__(
@@ -131,6 +131,8 @@ class RequestLease:
         self._holds: list[BackendHold] = []
         self._suspects: list[Backend] = []
         self._releases = 0
+        self.model_slot: ModelSlot | None = None
+        """Its place in its model's admission (per-model limits and metrics)."""
         self.supply: Supply | None = None
         """The supply the consumer leg was sent to fetch: released at close unless the request
         succeeded."""
@@ -207,6 +209,8 @@ class RequestLease:
         if self._admitted:
             self._admitted = False
             self._admission.release()
+        if self.model_slot is not None:
+            self.model_slot.release(status)
         self._metrics.count_request(self.route, status, self.dialect)
         if self.decision is not None:
             outcome = RequestOutcome(

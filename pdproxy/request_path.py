@@ -3,7 +3,9 @@
 In order: the client key (401), an admission slot (429 at once when the queue is full; a
 client leaving while queued is heard, :mod:`pdproxy.queue_wait`), the body (413 past the size
 limit, 408 past the read deadline), the ``kv_transfer_params`` gate
-(400), the candidates (filtered by role and dialect before the router ranks them), the
+(400), the model (404 when no backend serves it; :mod:`pdproxy.model_catalog`) and its
+per-model admission slot (429), the candidates (filtered by model, role and dialect before the
+router ranks them), the
 producer phase (:mod:`pdproxy.producer_phase`; consumer-only fallback when it fails), the
 consumer phase (:mod:`pdproxy.consumer_phase`). Everything the request takes belongs to its
 :class:`~pdproxy.lease.RequestLease`, which the returned :class:`~pdproxy.lease.LeasedResponse`
@@ -24,7 +26,7 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pdproxy.admission import Admission
+from pdproxy.admission import Admission, ModelAdmission
 from pdproxy.backends import BackendRegistry
 from pdproxy.body import ClientBody, decode_body
 from pdproxy.cancel import RequestCanceller
@@ -44,6 +46,7 @@ from pdproxy.intake import ClientKeys, check_declared_size, check_kv_params, rea
 from pdproxy.lease import LeasedResponse, RequestLease
 from pdproxy.legs import consumer_body
 from pdproxy.metrics import ProxyMetrics
+from pdproxy.model_catalog import ModelCatalog
 from pdproxy.producer_phase import ProducerPhase
 from pdproxy.queue_wait import wait_for_slot
 from pdproxy.relay import Relay
@@ -76,6 +79,8 @@ class RequestPath:
         admission: Admission,
         health: HealthChecker,
         tracer: RequestTracer | None = None,
+        catalog: ModelCatalog | None = None,
+        model_admission: ModelAdmission | None = None,
     ) -> None:
         self._settings = settings
         self._tracer = tracer
@@ -84,6 +89,8 @@ class RequestPath:
         self._metrics = metrics
         self._admission = admission
         self._health = health
+        self._catalog = catalog
+        self._model_admission = model_admission
         self._keys = ClientKeys(settings.api_keys)
         self._max_body = settings.admission.max_body_bytes
         self._body_timeout_s = settings.admission.body_read_timeout_s
@@ -192,8 +199,12 @@ class RequestPath:
     async def _serve(
         self, lease: RequestLease, body: ClientBody, headers: Headers, passthrough: bool
     ) -> Response | Relay:
+        model = self._catalog.resolve(body.data) if self._catalog is not None else None
+        if model is not None and self._model_admission is not None:
+            lease.stage = "queue"
+            lease.model_slot = await self._model_admission.acquire(model.label)
         t = time.perf_counter()
-        pool = candidates(self._registry, with_producers=not passthrough)
+        pool = candidates(self._registry, with_producers=not passthrough, model=model)
         lease.dialect = pool.dialect.value
         lease.stage = "route"
         trace = lease.trace

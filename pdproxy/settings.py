@@ -33,6 +33,7 @@ from pydantic_settings import (
 
 from pdproxy.errors import ConfigError
 from pdproxy.membership.settings import MembershipSettings
+from pdproxy.model_settings import ModelsSettings, check_model_name
 from pdproxy.origin import base_prefix
 from pdproxy.routing.base import Role
 from pdproxy.tracing import OtelSettings, otel_settings
@@ -66,14 +67,20 @@ class BackendConfig(BaseModel):
     """The publisher's replay socket (e.g. ``tcp://host:5559``): missed events are asked for
     here. Takes precedence over ``router_options.replay`` for this backend."""
     health_path: str = "/health"
-    models: tuple[str, ...] = ()
-    """Model names this backend serves (announced by registration or set per DNS group)."""
     kv_address: str | None = None
     """``host:port`` this producer announces for KV transfer (the P2P server, or NIXL's side
     channel). A producer answer naming another ``remote_host``/``remote_port`` is refused (the
     attempt fails over, counted in ``pdproxy_kv_address_mismatches``): the consumer would
     connect wherever the answer says. Unset: not checked (the proxy warns at start), i.e. the
     producer is trusted to name itself; set it in production."""
+    models: tuple[str, ...] = ()
+    """Models (and LoRA adapters) this backend serves; empty: learned from its ``/v1/models``
+    (until then it serves any model)."""
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(check_model_name(m) for m in value))
 
     @field_validator("name")
     @classmethod
@@ -289,6 +296,8 @@ class ProxySettings(BaseSettings):
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     membership: MembershipSettings = Field(default_factory=MembershipSettings)
     """Backends found by DNS or announced by workers (``pdproxy.membership``)."""
+    models: ModelsSettings = Field(default_factory=ModelsSettings)
+    """Many models behind one proxy: per-model router options, adapters, limits."""
 
     drain_delay_s: float = Field(default=0.0, ge=0)
     """After SIGTERM: seconds with readiness false before the listener closes."""
@@ -312,6 +321,14 @@ class ProxySettings(BaseSettings):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"duplicate backend names: {dupes}")
+        cap = self.admission.max_concurrent
+        for model in {*self.models.served, "*"}:
+            limits = self.models.limits_of(model) if model != "*" else self.models.default_limits
+            if limits is not None and limits.max_concurrent + limits.queue_size >= cap:
+                raise ValueError(
+                    f"models: limits of {model!r} (max_concurrent + queue_size) must stay below "
+                    f"admission.max_concurrent ({cap}), or one model can starve the others"
+                )
         return self
 
     @classmethod

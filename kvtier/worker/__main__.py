@@ -44,6 +44,12 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "max-running": {"type": int},
     "max-batched-tokens": {"type": int},
     "model-seed": {"type": int},
+    "lora-modules": {
+        "action": "append",
+        "dest": "lora_modules",
+        "help": "LoRA adapter served as a model name: NAME or NAME=PATH (repeatable)",
+    },
+    "max-loras": {"type": int},
     "sliding-window": {"type": int},
     "dtype": {"choices": ["float64", "float32"]},
     "sim-prefill-ms-per-token": {"type": float},

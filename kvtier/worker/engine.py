@@ -21,6 +21,7 @@ from kvtier.keys import BlockHasher
 from kvtier.worker.backends.base import ComputeBackend, StepInput
 from kvtier.worker.errors import ContextTooLong, EngineClosed
 from kvtier.worker.kv_cache import KVCache
+from kvtier.worker.lora import LoraAdapter
 from kvtier.worker.request import (
     EngineRequest,
     FinishReason,
@@ -135,6 +136,7 @@ class Engine:
         *,
         cache_salt: str | None = None,
         on_prompt_kv: PromptKVHook | None = None,
+        lora: LoraAdapter | None = None,
     ) -> EngineRequest:
         """A request checked against the context length (raises :class:`ContextTooLong`)."""
         if self._closing or not self._admitting:
@@ -149,7 +151,7 @@ class Engine:
                 f"{params.max_tokens} in the completion).",
                 param="messages",
             )
-        hashes = self.hasher.start(cache_salt)
+        hashes = self.hasher.start(cache_salt, lora.name if lora is not None else None)
         hashes.extend(prompt_ids)
         return EngineRequest(
             request_id=request_id,
@@ -158,6 +160,7 @@ class Engine:
             hashes=hashes,
             num_groups=len(self.kv.pools),
             on_prompt_kv=on_prompt_kv,
+            lora_key=lora.key if lora is not None else b"",
             generator=make_generator(params),
         )
 
@@ -209,6 +212,7 @@ class Engine:
                     start=p.req.num_computed,
                     page_tables=tuple(tuple(t) for t in p.req.page_tables),
                     block_hashes=tuple(p.req.hashes.hashes),
+                    lora_key=p.req.lora_key,
                 )
                 for p in plan
             ]

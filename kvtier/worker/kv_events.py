@@ -7,6 +7,10 @@ ZMQ in vLLM's format by :class:`kvtier.events.EventPublisher` every ``interval_s
 ``BlockStored`` carries the block's token ids and parent hash (the router recomputes its own
 hashes from them); a CPU store is published once the block's tokens are known from a device
 store on this worker (a bounded memory), otherwise it is skipped and counted.
+
+Blocks of a LoRA adapter's requests (:meth:`KVEventRelay.mark_adapter`, and any block whose
+parent is one) are published with the adapter's ``lora_id`` and ``lora_name`` as vLLM does, so
+a router never takes them for base-model blocks.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class KVEventRelay:
             OrderedDict()
         )
         self._token_memory = token_memory
+        self._adapters: OrderedDict[BlockHash, tuple[int, str]] = OrderedDict()
+        """Block hash -> (lora_id, lora_name) of adapter blocks (bounded like the tokens)."""
         self._sources: list[OffloadEventSource] = []
         self._task: asyncio.Task[None] | None = None
         self.published_batches = 0
@@ -69,6 +75,24 @@ class KVEventRelay:
         while len(self._blocks) > self._token_memory:
             self._blocks.popitem(last=False)
         self._stored(block_hash, parent, tuple(tokens), Medium.GPU)
+
+    def mark_adapter(self, hashes: Sequence[BlockHash], lora_id: int, lora_name: str) -> None:
+        """``hashes`` belong to a request running under a LoRA adapter."""
+        for block_hash in hashes:
+            self._adapters[block_hash] = (lora_id, lora_name)
+            self._adapters.move_to_end(block_hash)
+        while len(self._adapters) > self._token_memory:
+            self._adapters.popitem(last=False)
+
+    def _adapter_of(
+        self, block_hash: BlockHash, parent: BlockHash | None
+    ) -> tuple[int, str] | None:
+        adapter = self._adapters.get(block_hash)
+        if adapter is None and parent is not None:
+            adapter = self._adapters.get(parent)
+            if adapter is not None:  # a generated block continuing an adapter's chain
+                self._adapters[block_hash] = adapter
+        return adapter
 
     def remember(self, hashes: Sequence[BlockHash], token_ids: Sequence[int]) -> None:
         """Learn blocks' tokens before they reach a tier (a consumer's fetched host pages)."""
@@ -109,19 +133,24 @@ class KVEventRelay:
         tokens: tuple[int, ...],
         medium: Medium,
     ) -> None:
+        adapter = self._adapter_of(block_hash, parent)
+        lora_id, lora_name = adapter if adapter is not None else (None, None)
         last = self._pending[-1] if self._pending else None
         if (
             isinstance(last, BlockStored)
             and last.medium == medium.value
             and parent is not None
             and last.block_hashes[-1] == parent
+            and last.lora_name == lora_name
         ):
             self._pending[-1] = BlockStored(
                 block_hashes=(*last.block_hashes, block_hash),
                 parent_block_hash=last.parent_block_hash,
                 token_ids=last.token_ids + tokens,
                 block_size=self.block_size,
+                lora_id=lora_id,
                 medium=medium.value,
+                lora_name=lora_name,
                 group_idx=PREFIX_GROUP,
             )
             return
@@ -131,7 +160,9 @@ class KVEventRelay:
                 parent_block_hash=parent,
                 token_ids=tokens,
                 block_size=self.block_size,
+                lora_id=lora_id,
                 medium=medium.value,
+                lora_name=lora_name,
                 group_idx=PREFIX_GROUP,
             )
         )

@@ -65,6 +65,8 @@ class EngineRequest:
     hashes: PromptHashes
     num_groups: int
     on_prompt_kv: PromptKVHook | None = None
+    lora_key: bytes = b""
+    """The LoRA adapter it runs under (empty: the base model)."""
     expected_remote_blocks: int = 0
     """Consumer legs: leading blocks the producer was expected to supply (0 otherwise)."""
     output_ids: list[int] = field(default_factory=list)

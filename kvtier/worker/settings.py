@@ -91,6 +91,11 @@ class WorkerSettings(BaseSettings):
     default_max_tokens: int = 256
     """Chat requests without max_tokens generate at most this many (within the context)."""
     model_seed: int = 0
+    lora_modules: list[str] = Field(default_factory=list)
+    """LoRA adapters served from the start, ``name`` or ``name=path`` (vLLM's
+    ``--lora-modules``); more are loaded with ``POST /v1/load_lora_adapter``."""
+    max_loras: int = Field(default=8, ge=1)
+    """Most LoRA adapters loaded at once."""
     # tiny
     tiny_hidden: int = 64
     tiny_layers: int = 4

@@ -14,6 +14,7 @@ from kvtier.worker.build import build_engine
 from kvtier.worker.connector import KVConnector
 from kvtier.worker.engine import Engine
 from kvtier.worker.kv_events import KVEventRelay
+from kvtier.worker.lora import LoraAdapters
 from kvtier.worker.settings import WorkerSettings
 from kvtier.worker.stats import EngineStats
 from kvtier.worker.tokenizer import ByteTokenizer
@@ -32,6 +33,10 @@ class Worker:
         self.settings = settings
         self.stats = EngineStats()
         self.tokenizer = ByteTokenizer()
+        self.loras = LoraAdapters(settings.model_name, settings.max_loras)
+        for module in settings.lora_modules:
+            name, _, path = module.partition("=")
+            self.loras.load(name, path)
         publisher = (
             EventPublisher(
                 settings.events_endpoint,

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from pdproxy.backends import BackendRegistry
+    from pdproxy.model_catalog import ModelCatalog
     from pdproxy.settings import ProxySettings
 
 
@@ -44,15 +45,22 @@ def build_router(
     *,
     registry: BackendRegistry | None = None,
     metrics_registry: CollectorRegistry | None = None,
+    catalog: ModelCatalog | None = None,
 ) -> Router:
     """Build the configured router. ``registry`` is the live backend set, for routers that
     need more than the candidates handed to ``route`` (the KV-aware router's event feeds);
     ``metrics_registry`` is where a router with metrics of its own registers them (the proxy
-    passes its own, so ``/metrics`` shows them)."""
+    passes its own, so ``/metrics`` shows them). With ``catalog`` naming models (configured on
+    backends or under ``models.served``), the KV router is one per model
+    (:mod:`pdproxy.routing.per_model`)."""
     if settings.router == "round_robin":
         return RoundRobinRouter()
     if settings.router == "least_loaded":
         return LeastLoadedRouter()
+    if settings.router == "kv" and catalog is not None and catalog.configured():
+        from pdproxy.routing.per_model_build import build_per_model_router
+
+        return build_per_model_router(settings, catalog, registry, metrics_registry)
     if settings.router == "kv":
         from pdproxy.routing.kv.build import build_kv_router, parse_settings
 

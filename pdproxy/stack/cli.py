@@ -32,6 +32,7 @@ from pdproxy.stack.plan import (
     WorkerModel,
     admin_key_path,
     build_plan,
+    model_name,
     write_proxy_config,
 )
 from pdproxy.stack.proxy_view import ProxyBackendsView
@@ -61,6 +62,20 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[m.value for m in WorkerModel],
         default=WorkerModel.TINY.value,
         help="worker compute backend: tiny (a real small transformer) or sim (for load)",
+    )
+    parser.add_argument(
+        "--models",
+        default=None,
+        metavar="A,B",
+        help="serve these model names, each with its own producers and consumers, routed by "
+        "model (one KV router per model)",
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="ADAPTER[@MODEL]",
+        help="LoRA adapter served by every worker of MODEL (default: the first model); repeatable",
     )
     parser.add_argument(
         "--dialect",
@@ -115,7 +130,14 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         worker_args += ["--sim-prefill-ms-per-token", str(args.sim_prefill_ms_per_token)]
     if args.sim_decode_ms_per_step is not None:
         worker_args += ["--sim-decode-ms-per-step", str(args.sim_decode_ms_per_step)]
+    models = tuple(m.strip() for m in (args.models or "").split(",") if m.strip())
+    first = models[0] if models else model_name(WorkerModel(args.model))
+    lora = tuple(
+        (adapter, model or first) for adapter, _, model in (x.partition("@") for x in args.lora)
+    )
     return StackOptions(
+        models=models,
+        lora=lora,
         producers=args.producers,
         consumers=args.consumers,
         model=WorkerModel(args.model),
@@ -190,6 +212,7 @@ def serve_stack(
                 ready = {
                     "endpoint": plan.endpoint,
                     "model": plan.model_name,
+                    "models": list(plan.models or (plan.model_name,)),
                     "pids": {s.name: s.pid for s in statuses},
                 }
                 ready_file.write_text(json.dumps(ready))
@@ -244,6 +267,9 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdproxy-up-"))  # mode 0700
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if args.engine == "vllm" and (options.models or options.lora):
+        print("error: --models and --lora need the reference workers (--engine worker)")
+        return 2
     try:
         if args.engine == "vllm":
             paths = VllmPaths.resolve(args.vllm_venv, args.vllm_model)

@@ -9,10 +9,15 @@ Secrets are fresh per run: the P2P secret, the proxy's admin key, and the worker
 which every worker gets in its environment (``KVTIER_WORKER_API_KEY``, never on its command
 line, which other local users can read) and the proxy as each backend's ``api_key``. The config
 holding them is written 0600 (:func:`write_proxy_config`).
+
+With ``models`` (``pdproxy up --models a,b``) every model gets its own producers and consumers
+(workers serving it under that name), each backend lists its models (and LoRA adapters, from
+``lora``) in the proxy config, and the proxy routes by model with one KV router per model.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import socket
 import sys
@@ -59,6 +64,11 @@ class StackOptions:
     proxy_args: tuple[str, ...] = ()
     router: str = "kv"
     """The proxy's router; ``kv`` (KV-aware, fed by the workers' events) unless told otherwise."""
+    models: tuple[str, ...] = ()
+    """Served model names, each with its own producers and consumers (empty: one model, named
+    after the worker backend)."""
+    lora: tuple[tuple[str, str], ...] = ()
+    """(adapter, model): LoRA adapters loaded on every worker of that model."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +80,15 @@ class StackPlan:
     config_path: Path
     endpoint: str
     model_name: str
+    """The first (or only) model served."""
     events: dict[str, str] = field(default_factory=dict)
     """Worker name → the ZMQ endpoint its KV events are published on."""
     admin_key: str = ""
     """The proxy's admin API key (a fresh random one per stack; the status board uses it)."""
     worker_key: str = ""
     """The workers' API key (fresh per stack); the proxy sends it to every backend."""
+    models: tuple[str, ...] = ()
+    """Every model and adapter the stack serves."""
 
     @property
     def specs(self) -> tuple[ProcessSpec, ...]:
@@ -116,21 +129,44 @@ def proxy_process(options: StackOptions, config_path: Path, url_host: str) -> Pr
     )
 
 
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _check_models(options: StackOptions) -> None:
+    if len(set(options.models)) != len(options.models):
+        raise ValueError("--models names a model twice")
+    for adapter, model in options.lora:
+        if model not in (options.models or (model_name(options.model),)):
+            raise ValueError(f"LoRA adapter {adapter!r}: no model {model!r} in the stack")
+        if adapter in options.models:
+            raise ValueError(f"LoRA adapter {adapter!r} has a model's name")
+
+
 def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_port) -> StackPlan:
     if options.producers < 1 or options.consumers < 1:
         raise ValueError("a PD stack needs at least one producer and one consumer")
+    _check_models(options)
     host = _url_host(options.host)
     secret = secrets.token_hex(16)
     admin_key = secrets.token_hex(16)
     worker_key = secrets.token_hex(16)
-    name = model_name(options.model)
+    name = options.models[0] if options.models else model_name(options.model)
     workers: list[ProcessSpec] = []
     backends: list[dict[str, Any]] = []
     events: dict[str, str] = {}
     roles = [("producer", i) for i in range(options.producers)]
     roles += [("consumer", i) for i in range(options.consumers)]
-    for role, i in roles:
+    served = options.models or (None,)
+    units = [(m, role, i) for m in served for role, i in roles]
+    for served_name, role, i in units:
         worker = f"{role[0]}{i}"  # p0, p1, ..., c0, c1, ...
+        model_args: tuple[str, ...] = ()
+        if served_name is not None:
+            worker = f"{_UNSAFE_NAME.sub('-', served_name)[:48]}-{worker}"
+            model_args = ("--served-model-name", served_name)
+        adapters = [a for a, m in options.lora if m == (served_name or name)]
+        for adapter in adapters:
+            model_args += ("--lora-modules", adapter)
         http_port = ports()
         events_endpoint = f"tcp://127.0.0.1:{ports()}"
         replay_endpoint = f"tcp://127.0.0.1:{ports()}"
@@ -143,6 +179,7 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
             "--events-endpoint", events_endpoint,
             "--events-replay-endpoint", replay_endpoint,
             "--engine-id", worker,
+            *model_args,
             *options.worker_args,
         )  # fmt: skip
         url = f"http://127.0.0.1:{http_port}"
@@ -155,17 +192,18 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
                 role=role,
             )
         )
-        backends.append(
-            {
-                "name": worker,
-                "url": url,
-                "role": role,
-                "dialect": options.dialect.value,
-                "api_key": worker_key,
-                "events_endpoint": events_endpoint,
-                "events_replay_endpoint": replay_endpoint,
-            }
-        )
+        backend: dict[str, Any] = {
+            "name": worker,
+            "url": url,
+            "role": role,
+            "dialect": options.dialect.value,
+            "api_key": worker_key,
+            "events_endpoint": events_endpoint,
+            "events_replay_endpoint": replay_endpoint,
+        }
+        if options.models or options.lora:
+            backend["models"] = [served_name or name, *adapters]
+        backends.append(backend)
         events[worker] = events_endpoint
     router_options: dict[str, Any] = {
         "model_seed": f"{name}/seed=0",
@@ -186,6 +224,10 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
     }
     if options.router == "kv":
         proxy_config["router_options"] = router_options
+    if options.models or options.lora:
+        served_models: dict[str, Any] = {m: {} for m in options.models}
+        served_models.update({adapter: {"base": model} for adapter, model in options.lora})
+        proxy_config["models"] = {"served": served_models}
     config_path = run_dir / "proxy.yaml"
     proxy = proxy_process(options, config_path, host)
     return StackPlan(
@@ -199,6 +241,7 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
         events=events,
         admin_key=admin_key,
         worker_key=worker_key,
+        models=(*(options.models or (name,)), *(a for a, _ in options.lora)),
     )
 
 

@@ -31,6 +31,9 @@ class StepInput:
     page_tables: Sequence[Sequence[int]]
     block_hashes: Sequence[BlockHash]
     """Hashes of the sequence's full blocks (at least those of ``token_ids``' full blocks)."""
+    lora_key: bytes = b""
+    """The LoRA adapter the sequence runs under (:attr:`kvtier.worker.lora.LoraAdapter.key`);
+    empty for the base model."""
 
     @property
     def end(self) -> int:

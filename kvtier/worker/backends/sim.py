@@ -4,7 +4,9 @@ A full block's page is a deterministic function of its block hash and layer; a p
 rows are a function of the parent hash, the block's tokens so far and the layer. The next token
 is a hash of every page byte the step reads (all blocks for the full-attention group, the
 window's blocks for the sliding-window group), so a wrong or missing page changes the text.
-Latency follows a configurable model: seconds per prefill token and per decode step.
+Latency follows a configurable model: seconds per prefill token and per decode step. A LoRA
+adapter's key enters partial rows and every digest, so each adapter writes and reads its own KV
+and its text differs from the base model's.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ class SimBackend:
         )
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(group.page_shape)
 
-    def _row(self, parent: bytes, prefix: bytes, layer: int) -> bytes:
+    def _row(self, parent: bytes, prefix: bytes, layer: int, lora_key: bytes) -> bytes:
         return _expand(
-            parent + prefix + b"\x00row" + layer.to_bytes(2, "little"), self.config.row_bytes
+            parent + prefix + b"\x00row" + layer.to_bytes(2, "little") + lora_key,
+            self.config.row_bytes,
         )
 
     def _write(self, seq: StepInput, pools: Sequence[PagePool]) -> None:
@@ -99,14 +102,14 @@ class SimBackend:
                 for p in range(lo, min(seq.end, (block + 1) * bs)):
                     prefix = encode_tokens(seq.token_ids[block * bs : p + 1])
                     for li, layer in enumerate(pool.spec.layers):
-                        row = self._row(parent, prefix, layer)
+                        row = self._row(parent, prefix, layer, seq.lora_key)
                         pool.storage[page, li, p - block * bs] = torch.frombuffer(
                             bytearray(row), dtype=torch.uint8
                         )
 
     def _read_digest(self, seq: StepInput, pools: Sequence[PagePool]) -> int:
         bs = self.block_size
-        digest = xxhash.xxh3_64()
+        digest = xxhash.xxh3_64(seq.lora_key)
         last = seq.end - 1
         for pool in pools:
             table = seq.page_tables[pool.spec.index]

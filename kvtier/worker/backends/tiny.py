@@ -7,6 +7,9 @@ readable and every token is one character.
 Weights and KV are float64 by default: a prompt computed in one pass and the same prompt computed
 as cached prefix + tail then agree far below any logit gap, so PD and single-node greedy outputs
 are equal token for token.
+
+A LoRA adapter adds a rank-4 delta ``(h A) B`` to the output head, its factors seeded by the
+adapter's key: the same adapter gives the same text on every node, another adapter another text.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from kvtier.worker.backends.base import StepInput
 from kvtier.worker.kv_layout import KVGroupSpec, first_attended_position
 from kvtier.worker.page_pool import PagePool
 
+_LORA_RANK = 4
+_LORA_CACHE = 64
 BYTE_VOCAB = 256
 EOS_TOKEN_ID = 256
 
@@ -73,6 +78,7 @@ class TinyBackend:
         self.block_size = block_size
         self.device = device
         self.vocab_size = BYTE_VOCAB + 1
+        self._lora: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eos_token_id: int | None = EOS_TOKEN_ID
         full = tuple(i for i in range(config.layers) if i % 2 == 0)
         swa = tuple(i for i in range(config.layers) if i % 2 == 1)
@@ -183,9 +189,28 @@ class TinyBackend:
             x = x + (F.silu(h @ layer.w_gate.T) * (h @ layer.w_up.T)) @ layer.w_down.T
         last = torch.tensor([hi - 1 for _, hi in spans], dtype=torch.long, device=self.device)
         h = self._rms_norm(x[last], self.final_norm)
-        logits = (h @ self.lm_head.T).to(torch.float64).cpu()
+        logits = h @ self.lm_head.T
+        for i, seq in enumerate(batch):
+            if seq.lora_key:
+                a, b = self._lora_factors(seq.lora_key)
+                logits[i] += (h[i] @ a) @ b
+        logits = logits.to(torch.float64).cpu()
         logits[:, EOS_TOKEN_ID] += self.config.eos_bias
         return logits.masked_fill(self._generation_mask, float("-inf"))
+
+    def _lora_factors(self, key: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        factors = self._lora.get(key)
+        if factors is None:
+            gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
+            hidden, vocab = self.lm_head.shape[1], self.lm_head.shape[0]
+            a = torch.randn(hidden, _LORA_RANK, generator=gen, dtype=torch.float64)
+            b = torch.randn(_LORA_RANK, vocab, generator=gen, dtype=torch.float64)
+            scale = 2.0 / math.sqrt(hidden)
+            factors = (a.to(self.lm_head) * scale, b.to(self.lm_head))
+            if len(self._lora) >= _LORA_CACHE:  # adapters come and go: keep the newest
+                del self._lora[next(iter(self._lora))]
+            self._lora[key] = factors
+        return factors
 
     def _attend(
         self, q: torch.Tensor, seq: StepInput, pool: PagePool, slot: int, window: int | None

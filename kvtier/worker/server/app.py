@@ -39,7 +39,9 @@ from kvtier.worker.server.openai_format import ResponseShape, error_response, ss
 from kvtier.worker.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoraRequest,
     ReleaseRequest,
+    UnloadLoraRequest,
     _Sampling,
 )
 from kvtier.worker.settings import WorkerSettings
@@ -111,17 +113,29 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.model_name,
-                    "object": "model",
-                    "owned_by": "kvtier",
-                    "max_model_len": settings.max_model_len,
-                }
-            ],
+        base = {
+            "id": settings.model_name,
+            "object": "model",
+            "owned_by": "kvtier",
+            "root": settings.model_name,
+            "parent": None,
+            "max_model_len": settings.max_model_len,
         }
+        adapters = [
+            {**base, "id": a.name, "root": a.path, "parent": settings.model_name}
+            for a in the_worker.loras.all()
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraRequest) -> Response:
+        the_worker.loras.load(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraRequest) -> Response:
+        the_worker.loras.unload(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health() -> Response:
@@ -187,13 +201,16 @@ class _Api:
     async def _serve(
         self, body: _Sampling, ids: list[int], request: Request, *, chat: bool, max_tokens: int
     ) -> Response:
+        lora = None
         if body.model is not None and body.model != self.settings.model_name:
-            return error_response(
-                404,
-                f"The model `{body.model}` does not exist.",
-                err_type="NotFoundError",
-                param="model",
-            )
+            lora = self.worker.loras.get(body.model)
+            if lora is None:
+                return error_response(
+                    404,
+                    f"The model `{body.model}` does not exist.",
+                    err_type="NotFoundError",
+                    param="model",
+                )
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         if len(request_id) > MAX_ID_CHARS:
             return error_response(
@@ -202,7 +219,7 @@ class _Api:
         shape = ResponseShape(
             chat=chat,
             request_id=request_id,
-            model=self.settings.model_name,
+            model=lora.name if lora is not None else self.settings.model_name,
             return_token_ids=body.return_token_ids,
         )
         params = SamplingParams(
@@ -223,12 +240,14 @@ class _Api:
         engine = self.worker.engine
         try:
             req = engine.new_request(
-                request_id, ids, params, cache_salt=body.cache_salt, on_prompt_kv=hook
+                request_id, ids, params, cache_salt=body.cache_salt, on_prompt_kv=hook, lora=lora
             )
         except InvalidRequest as exc:
             return error_response(400, str(exc), param=exc.param)
         except EngineClosed as exc:
             return error_response(503, str(exc), err_type="ServiceUnavailableError")
+        if lora is not None:  # before any of its blocks can be stored (installed remote ones too)
+            self.worker.events.mark_adapter(req.hashes.hashes, lora.lora_id, lora.name)
         try:
             if isinstance(leg, ConsumerLeg) and connector is not None:
                 await connector.load_remote(req, leg)

@@ -95,3 +95,18 @@ class ReleaseRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     kv_request_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+
+
+class LoadLoraRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    model_config = ConfigDict(extra="allow")
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(default="", max_length=4096)
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    lora_name: str = Field(min_length=1, max_length=128)
