@@ -32,6 +32,7 @@ from pdproxy.admin import AdminApi
 from pdproxy.admission import Admission
 from pdproxy.backends import BackendRegistry
 from pdproxy.errors import ClientRequestError
+from pdproxy.front_request import HotRequest
 from pdproxy.health import HealthChecker
 from pdproxy.http_errors import client_error_response, error_response
 from pdproxy.intake import ClientKeys
@@ -122,7 +123,7 @@ class ProxyApp(FastAPI):
         if scope["type"] == "http" and scope["method"] == "POST":
             route = _HOT_ROUTES.get(scope["path"])
             if route is not None:
-                request = Request(scope, receive)
+                request = HotRequest(scope, receive)
                 try:
                     response = await self.pdproxy_state.request_path.handle(request, route)
                 except Exception:
