@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from pdproxy.app import ProxyState, create_app, proxy_state
 from pdproxy.errors import ConfigError
+from pdproxy.front_protocol import ProxyHttpProtocol
 from pdproxy.process_group import ProcessGroup, process_count
 from pdproxy.settings import ProxySettings, validation_error_text
 from pdproxy.siblings import Siblings
@@ -126,7 +127,7 @@ def serve_process(
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=ProxyHttpProtocol,
         access_log=False,
         proxy_headers=False,
         server_header=False,
