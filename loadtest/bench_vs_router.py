@@ -174,32 +174,43 @@ def _wrk_script(directory: Path, tokens: int) -> Path:
     return path
 
 
-def _run_wrk(
-    url: str, load: Load, duration: float, script: Path
-) -> tuple[int, int, float, dict[int, float]]:
-    """wrk for ``duration`` s; returns (requests, errors, seconds, {50: ms, 99: ms})."""
-    argv = ["wrk", "-t2", f"-c{load.concurrency}", f"-d{max(1, round(duration))}s",
-            "--latency", "-s", str(script), url + "/v1/completions"]  # fmt: skip
-    t0 = time.perf_counter()
-    out = subprocess.run(
-        argv, check=False, capture_output=True, text=True, timeout=duration + 30
-    ).stdout
-    seconds = time.perf_counter() - t0
+@dataclass(frozen=True, slots=True)
+class WrkRun:
+    requests: int
+    """Answered 2xx/3xx."""
+    errors: int
+    """Non-2xx/3xx answers and socket errors."""
+    seconds: float
+    latency_ms: dict[int, float]
+    """Percentile (50, 99) -> ms."""
+
+
+def parse_wrk(out: str) -> WrkRun:
+    """wrk's ``--latency`` report, read."""
     done = re.search(r"(\d+) requests in ([\d.]+)(ms|s)", out)
     if done is None:
         raise RuntimeError(f"wrk printed no summary:\n{out}")
-    secs = float(done.group(2)) * (1e-3 if done.group(3) == "ms" else 1.0)
+    seconds = float(done.group(2)) * (1e-3 if done.group(3) == "ms" else 1.0)
     errors = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
     socket_errors = re.search(
         r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out
     )
     if socket_errors:
         errors += sum(int(n) for n in socket_errors.groups())
-    lat = {
+    latency = {
         int(m.group(1)): float(m.group(2)) * _WRK_UNIT[m.group(3)]
         for m in _WRK_LATENCY.finditer(out)
     }
-    return int(done.group(1)) - errors, errors, secs or seconds, lat
+    return WrkRun(int(done.group(1)) - errors, errors, seconds, latency)
+
+
+def _run_wrk(url: str, load: Load, duration: float, script: Path) -> WrkRun:
+    argv = ["wrk", "-t2", f"-c{load.concurrency}", f"-d{max(1, round(duration))}s",
+            "--latency", "-s", str(script), url + "/v1/completions"]  # fmt: skip
+    out = subprocess.run(
+        argv, check=False, capture_output=True, text=True, timeout=duration + 30
+    ).stdout
+    return parse_wrk(out)
 
 
 async def _measure(
@@ -209,11 +220,10 @@ async def _measure(
     cpu0 = tree_cpu_seconds(target.pid)
     if load.wrk:
         assert wrk_script is not None
-        n, errors, secs, lat = await asyncio.to_thread(
-            _run_wrk, target.url, load, args.duration, wrk_script
-        )
-        tally.wrk_p50.append(lat.get(50, float("nan")))
-        tally.wrk_p99.append(lat.get(99, float("nan")))
+        run = await asyncio.to_thread(_run_wrk, target.url, load, args.duration, wrk_script)
+        n, errors, secs = run.requests, run.errors, run.seconds
+        tally.wrk_p50.append(run.latency_ms.get(50, float("nan")))
+        tally.wrk_p99.append(run.latency_ms.get(99, float("nan")))
     else:
         call: Callable[[], Awaitable[float]] = partial(
             _post, session, target.url + "/v1/completions", _body(load.stream, load.tokens)
