@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from pdproxy import __version__
 from pdproxy.admin import AdminApi
@@ -131,70 +131,12 @@ class ProxyApp(FastAPI):
                     response = error_response(500, "internal proxy error", code="internal_error")
                 await response(scope, receive, send)
                 return
-        if scope["type"] == "http" and self._is_admin_change_to_share(scope):
-            assert self.pdproxy_state.siblings is not None
-            await self._admin_to_all(self.pdproxy_state.siblings, scope, receive, send)
+        siblings = self.pdproxy_state.siblings
+        if siblings is not None and siblings.is_admin_change_to_share(scope):
+            limit = self.pdproxy_state.settings.admission.max_body_bytes
+            await siblings.share_admin_change(super().__call__, scope, receive, send, limit)
             return
         await super().__call__(scope, receive, send)
-
-    def _is_admin_change_to_share(self, scope: Scope) -> bool:
-        siblings = self.pdproxy_state.siblings
-        return (
-            siblings is not None
-            and scope["method"] in ("POST", "DELETE")
-            and scope["path"].startswith("/admin/")
-            and not siblings.is_sibling_request(scope.get("server"))
-        )
-
-    async def _admin_to_all(
-        self, siblings: Siblings, scope: Scope, receive: Receive, send: Send
-    ) -> None:
-        """An admin change here, then (when it succeeded) the same change in every sibling."""
-        body = await _read_body(receive, self.pdproxy_state.settings.admission.max_body_bytes)
-        if body is None:
-            response = error_response(413, "request body too large", code="body_too_large")
-            await response(scope, receive, send)
-            return
-        status = 0
-
-        async def replay() -> Message:
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        async def watch(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        await super().__call__(scope, replay, watch)
-        if 200 <= status < 300:
-            headers = {
-                k.decode("latin-1"): v.decode("latin-1")
-                for k, v in scope["headers"]
-                if k in (b"authorization", b"content-type")
-            }
-            target = scope["path"] + ("?" + scope["query_string"].decode("latin-1")
-                                      if scope["query_string"] else "")  # fmt: skip
-            for answer in await siblings.fan_out(scope["method"], target, headers, body):
-                if answer is None or not 200 <= answer[0] < 300:
-                    log.error("an admin change did not reach every proxy process: %s %s",
-                              scope["method"], scope["path"])  # fmt: skip
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return b""
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 _HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}

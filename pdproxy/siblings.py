@@ -29,6 +29,9 @@ from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdproxy.http_errors import error_response
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +82,82 @@ class Siblings:
         calls = (self._call(p, method, target, headers, body) for p in self.others())
         return list(await asyncio.gather(*calls))
 
+    def is_admin_change_to_share(self, scope: Scope) -> bool:
+        """An admin change that arrived over the shared port (not from a sibling)."""
+        return (
+            scope["type"] == "http"
+            and scope["method"] in ("POST", "DELETE")
+            and scope["path"].startswith("/admin/")
+            and not self.is_sibling_request(scope.get("server"))
+        )
+
+    async def share_admin_change(
+        self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, max_body: int
+    ) -> None:
+        """The admin change made here by ``app``, then, when it succeeded, in every sibling."""
+        try:
+            body = await _read_body(receive, max_body)
+        except _BodyTooLarge:
+            response = error_response(413, "request body too large", code="body_too_large")
+            await response(scope, receive, send)
+            return
+        if body is None:
+            return  # the client left before its request was complete: nothing to change
+        status = 0
+
+        async def replay() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await app(scope, replay, watch)
+        if not 200 <= status < 300:
+            return
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k in (b"authorization", b"content-type")
+        }
+        query = scope.get("query_string", b"")
+        target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+        for answer in await self.fan_out(scope["method"], target, headers, body):
+            if answer is None or not 200 <= answer[0] < 300:
+                log.error(
+                    "an admin change did not reach every proxy process: %s %s",
+                    scope["method"], scope["path"],
+                )  # fmt: skip
+
     async def metrics(self, own: bytes) -> bytes:
         answers = await self.fan_out("GET", "/metrics", {})
         texts = [own.decode()]
         texts += [a[1].decode() for a in answers if a is not None and a[0] == 200]
         missing = sum(1 for a in answers if a is None or a[0] != 200)
         return merge_expositions(texts, missing)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body (None: the client left); raises :class:`_BodyTooLarge`."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 class _Families:
