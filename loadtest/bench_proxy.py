@@ -238,7 +238,9 @@ async def _bench(args: argparse.Namespace) -> list[Cell]:
     p_port, d_port, x_port, b_port = _free_port(), _free_port(), _free_port(), _free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     proxy_url, baseline_url = f"http://127.0.0.1:{x_port}", f"http://127.0.0.1:{b_port}"
-    env = {**os.environ, "PDPROXY_HEALTH__ENABLED": "false"}
+    # One process each: CPU per request compares like with like (a tree without --workers
+    # ignores the variable).
+    env = {**os.environ, "PDPROXY_HEALTH__ENABLED": "false", "PDPROXY_WORKERS": "1"}
     backends = [sys.executable, "-m", "loadtest.fake_backend", "--chunks", "64",
                 "--listen", f"P={p_port}", "--listen", f"D={d_port}"]  # fmt: skip
     baseline_tree: str | None = args.baseline_tree

@@ -36,6 +36,7 @@ from pdproxy.admin import AdminApi
 from pdproxy.admission import Admission, ModelAdmission
 from pdproxy.backends import BackendRegistry
 from pdproxy.errors import ClientRequestError
+from pdproxy.front_request import HotRequest
 from pdproxy.health import HealthChecker
 from pdproxy.http_errors import client_error_response, error_response
 from pdproxy.intake import ClientKeys
@@ -48,6 +49,7 @@ from pdproxy.request_path import RequestPath
 from pdproxy.routing.base import Router
 from pdproxy.routing.factory import build_router
 from pdproxy.settings import Dialect, ProxySettings
+from pdproxy.siblings import Siblings
 from pdproxy.tracing import build_request_tracer
 from pdproxy.upstream import Upstream
 
@@ -66,8 +68,11 @@ class ProxyState:
         router: Router | None = None,
         clock: Callable[[], float] = time.monotonic,
         span_exporter: SpanExporter | None = None,
+        siblings: Siblings | None = None,
     ) -> None:
         self.settings = settings
+        self.siblings = siblings
+        """The other processes of a ``serve --workers N`` group; None when alone."""
         self.registry = BackendRegistry(settings.breaker, clock)
         for config in settings.backends:
             self.registry.add(config)
@@ -151,7 +156,7 @@ class ProxyApp(FastAPI):
         if scope["type"] == "http" and scope["method"] == "POST":
             route = _HOT_ROUTES.get(scope["path"])
             if route is not None:
-                request = Request(scope, receive)
+                request = HotRequest(scope, receive)
                 try:
                     response = await self.pdproxy_state.request_path.handle(request, route)
                 except Exception:
@@ -159,6 +164,11 @@ class ProxyApp(FastAPI):
                     response = error_response(500, "internal proxy error", code="internal_error")
                 await response(scope, receive, send)
                 return
+        siblings = self.pdproxy_state.siblings
+        if siblings is not None and siblings.is_admin_change_to_share(scope):
+            limit = self.pdproxy_state.settings.admission.max_body_bytes
+            await siblings.share_admin_change(super().__call__, scope, receive, send, limit)
+            return
         await super().__call__(scope, receive, send)
 
 
@@ -175,12 +185,14 @@ def create_app(
     router: Router | None = None,
     clock: Callable[[], float] = time.monotonic,
     span_exporter: SpanExporter | None = None,
+    siblings: Siblings | None = None,
 ) -> ProxyApp:
     """Build a proxy app. ``router`` overrides ``settings.router`` (tests, embedding); a router
     built from settings registers its metrics on the app's registry (``/metrics``), an injected
     one keeps its own. ``span_exporter`` turns tracing on with that exporter instead of the
-    ``OTEL_*`` settings' one (:mod:`pdproxy.tracing`)."""
-    state = ProxyState(settings, router, clock, span_exporter)
+    ``OTEL_*`` settings' one (:mod:`pdproxy.tracing`). ``siblings``: the other processes of a
+    ``serve --workers N`` group (``/metrics`` adds theirs up, admin changes reach them all)."""
+    state = ProxyState(settings, router, clock, span_exporter, siblings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -227,8 +239,11 @@ def create_app(
             return _json({"ready": False, "reason": "no healthy producer/consumer"}, 503)
         return _json({"ready": True})
 
-    async def metrics(_: Request) -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        own = generate_latest(state.metrics.registry)
+        if siblings is not None and not siblings.is_sibling_request(request.scope.get("server")):
+            own = await siblings.metrics(own)
+        return Response(own, media_type=CONTENT_TYPE_LATEST)
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)

@@ -1,9 +1,11 @@
 """Cancelling a request's in-flight work when its client leaves or its consumer goes quiet.
 
-One :class:`RequestCanceller` per request watches the ASGI ``receive`` channel for
-``http.disconnect`` and cancels the request's own task, but only while an *armed* section
-(an upstream leg, a relay) is running. No extra task per leg: the race between a leg and the
-client's disconnect costs one watcher task per request. :class:`IdleWatchdog` fires the same
+One :class:`RequestCanceller` per request learns of the client's disconnect and cancels the
+request's own task, but only while an *armed* section (an upstream leg, a relay) is running.
+Under ``pdproxy serve`` the server calls it through the request's
+:class:`~pdproxy.front_protocol.DisconnectHook` (no task at all); under any other ASGI server it
+watches the ``receive`` channel for ``http.disconnect`` with one watcher task per request (no
+extra task per leg). :class:`IdleWatchdog` fires the same
 canceller when no consumer chunk arrived for ``idle_s``, with one timer per stream.
 """
 
@@ -16,21 +18,34 @@ from typing import Any
 
 from starlette.types import Receive
 
+from pdproxy.front_protocol import DisconnectHook
+
 CLIENT_DISCONNECT = "client_disconnect"
 CONSUMER_IDLE = "consumer_idle"
 
 
 class RequestCanceller:
-    __slots__ = ("_armed", "_task", "_watch", "reason")
+    __slots__ = ("_armed", "_hook", "_task", "_watch", "reason")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, hook: DisconnectHook | None = None) -> None:
+        """``hook``: the server reports the client's disconnect there (no watcher task)."""
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("RequestCanceller needs a running task")
         self._task = task
         self._armed = False
         self.reason: str | None = None
-        self._watch = asyncio.get_running_loop().create_task(self._listen(receive))
+        self._hook = hook
+        self._watch: asyncio.Task[None] | None = None
+        if hook is not None:
+            hook.callback = self._client_left
+            if hook.lost:  # it left before this canceller existed
+                self._client_left()
+        else:
+            self._watch = asyncio.get_running_loop().create_task(self._listen(receive))
+
+    def _client_left(self) -> None:
+        self.fire(CLIENT_DISCONNECT)
 
     async def _listen(self, receive: Receive) -> None:
         while True:
@@ -68,7 +83,10 @@ class RequestCanceller:
 
     def close(self) -> None:
         self._armed = False
-        self._watch.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._hook is not None:
+            self._hook.callback = None
 
 
 class IdleWatchdog:

@@ -1,9 +1,10 @@
 """The ``pdproxy`` command.
 
 ``pdproxy serve --config proxy.yaml [--host H] [--port N] [--producer URL] [--consumer URL]
-[--router NAME] [--index redis://...]`` runs the proxy under uvicorn (uvloop, httptools, no
-access log). Settings come from the config file, then ``PDPROXY_*`` environment variables, then
-these flags (highest priority).
+[--router NAME] [--index redis://...] [--workers N]`` runs the proxy under uvicorn (uvloop,
+httptools, no access log), in N processes on the one port (default one per core). Settings
+come from the config file, then ``PDPROXY_*`` environment variables, then these flags (highest
+priority).
 
 Subcommands are registered by functions in :data:`COMMANDS`; each adds its subparser and sets
 ``handler`` (``args -> exit status``) with ``set_defaults``.
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +29,10 @@ from pydantic import ValidationError
 
 from pdproxy.app import ProxyState, create_app, proxy_state
 from pdproxy.errors import ConfigError
+from pdproxy.front_protocol import ProxyHttpProtocol
+from pdproxy.process_group import ProcessGroup, process_count
 from pdproxy.settings import ProxySettings, validation_error_text
+from pdproxy.siblings import Siblings
 from pdproxy.stack import add_up_command
 
 log = logging.getLogger(__name__)
@@ -65,7 +70,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     overrides: dict[str, Any] = {}
     if args.config is not None:
         overrides["config_file"] = args.config
-    for name in ("host", "port", "router", "log_level"):
+    for name in ("host", "port", "router", "log_level", "workers"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
@@ -92,18 +97,47 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
 _INDEX_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
-def run_server(settings: ProxySettings) -> None:
+def _configure_logging(settings: ProxySettings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
     )
-    app = create_app(settings)
+
+
+def run_server(settings: ProxySettings) -> int:
+    """Serve until SIGTERM/SIGINT: one process, or ``settings.workers`` (0: one per core)
+    processes on one port (:mod:`pdproxy.process_group`). Returns the exit status."""
+    _configure_logging(settings)
+    count = process_count(settings.workers)
+    if count > 1 and settings.membership.registration.endpoint is not None:
+        # One ROUTER socket per endpoint, and each process would hold only the registrations
+        # that reached it: a worker group cannot share one registration listener.
+        if settings.workers > 1:
+            raise ConfigError(
+                "membership.registration needs workers: 1 (one process owns the registration "
+                "socket and the backends it announces)"
+            )
+        log.warning("membership.registration is set: serving with one process, not %d", count)
+        count = 1
+    if count == 1:
+        serve_process(settings)
+        return 0
+    return ProcessGroup(settings, count, serve_process).run()
+
+
+def serve_process(
+    settings: ProxySettings,
+    sockets: list[socket.socket] | None = None,
+    siblings: Siblings | None = None,
+) -> None:
+    """One proxy process under uvicorn: on ``settings.host:port``, or on ``sockets``."""
+    app = create_app(settings, siblings=siblings)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=ProxyHttpProtocol,
         access_log=False,
         proxy_headers=False,
         server_header=False,
@@ -112,7 +146,7 @@ def run_server(settings: ProxySettings) -> None:
         limit_concurrency=settings.admission.max_connections,
         lifespan="on",
     )
-    DrainingServer(config, proxy_state(app)).run()
+    DrainingServer(config, proxy_state(app)).run(sockets=sockets)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -125,11 +159,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdproxy: invalid configuration: {validation_error_text(exc)}", file=sys.stderr)
         return 2
     try:
-        run_server(settings)
+        return run_server(settings)
     except ConfigError as exc:
         print(f"pdproxy: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 def add_serve_command(subparsers: Any) -> None:
@@ -154,6 +187,10 @@ def add_serve_command(subparsers: Any) -> None:
         help="dialect of --producer/--consumer backends (default nixl)",
     )  # fmt: skip
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--workers", type=int, metavar="N",
+        help="proxy processes on the one port (default: one per core; 1: this process only)",
+    )  # fmt: skip
     serve.set_defaults(handler=_serve)
 
 

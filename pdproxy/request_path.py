@@ -39,6 +39,7 @@ from pdproxy.errors import (
     LegRefused,
     NoBackendAvailable,
 )
+from pdproxy.front_protocol import DISCONNECT_HOOK
 from pdproxy.headers import ROUTE_EXPLAIN, wants_route_explain
 from pdproxy.health import HealthChecker
 from pdproxy.http_errors import client_error_response, error_response
@@ -153,7 +154,7 @@ class RequestPath:
             lease.disconnected()
             return Response(status_code=CLIENT_CLOSED_STATUS)
 
-        canceller = RequestCanceller(request.receive)
+        canceller = RequestCanceller(request.receive, request.scope.get(DISCONNECT_HOOK))
         lease.canceller = canceller
         if lease.client_request_id is not None:
             log.debug("request %s: client id %s", lease.request_id, lease.client_request_id)

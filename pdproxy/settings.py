@@ -303,6 +303,9 @@ class ProxySettings(BaseSettings):
     """After SIGTERM: seconds with readiness false before the listener closes."""
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """After SIGTERM: the longest in-flight requests may take to finish."""
+    workers: int = Field(default=0, ge=0)
+    """``pdproxy serve`` processes on the one port; 0: one per core (see README, "Several
+    processes")."""
     models_cache_s: float = Field(default=5.0, ge=0)
     """How long ``GET /v1/models`` answers from its last fan-out to the backends."""
     server_timing: bool = True

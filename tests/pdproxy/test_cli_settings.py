@@ -121,6 +121,9 @@ async def test_serve_drains_in_flight_requests_on_sigterm(fake: FakeFactory) -> 
         [
             sys.executable, "-m", "pdproxy.cli", "serve", "--port", str(port),
             "--consumer", d.url, "--log-level", "warning",
+            # One process: the readiness probe right after SIGTERM may reach a sibling before
+            # the supervisor's forwarded signal did (test_serve_workers covers N processes).
+            "--workers", "1",
         ],
         env={**os.environ, "PDPROXY_HEALTH__ENABLED": "false", "PDPROXY_DRAIN_DELAY_S": "0.3"},
     )  # fmt: skip

@@ -13,7 +13,10 @@ from pdproxy.membership.settings import (
     RegistrationSettings,
     nameserver_address,
 )
+from pdproxy.cli import run_server
+from pdproxy.errors import ConfigError
 from pdproxy.settings import ProxySettings, validation_error_text
+from tests.pdproxy.membership.conftest import RegistrationKeys
 
 GROUP: dict[str, Any] = {"name": "p", "query": "p.test", "port": 80, "role": "producer"}
 
@@ -63,3 +66,17 @@ def test_errors_do_not_echo_the_api_key() -> None:
             membership={"dns": {"groups": [GROUP | {"api_key": "sekrit-77", "port": "x"}]}}
         )
     assert "sekrit-77" not in validation_error_text(caught.value)
+
+
+def test_registration_is_refused_with_a_worker_group(registration_keys: RegistrationKeys) -> None:
+    """A ROUTER socket binds in one process: a group of N would split the registrations."""
+    registration = {
+        "endpoint": "tcp://127.0.0.1:30001",
+        "curve_secret_key_file": str(registration_keys.proxy_secret),
+        "curve_clients_dir": str(registration_keys.clients_dir),
+    }
+    settings = ProxySettings.model_validate(
+        {"workers": 2, "membership": {"registration": registration}}
+    )
+    with pytest.raises(ConfigError, match="workers: 1"):
+        run_server(settings)

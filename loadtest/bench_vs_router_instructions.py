@@ -1,0 +1,117 @@
+"""Instructions per proxied request (valgrind callgrind): a CPU cost that load does not move.
+
+On a shared machine CPU seconds per request drift with other load; instruction counts do not.
+Runs ``pdproxy serve --workers 1`` under ``valgrind --tool=callgrind`` with instrumentation off,
+warms it up, turns instrumentation on for ``--requests`` requests (non-stream 16 tokens, or a
+64-chunk stream, at ``--concurrency``), dumps, and prints instructions per request; with
+``--baseline-tree DIR`` the same for another checkout, and the ratio. Needs ``valgrind``
+(Debian: ``apt-get install valgrind``); the proxy under valgrind is ~50x slower, so keep
+``--requests`` small (a few hundred: ~1 minute).
+
+    python -m loadtest.bench_vs_router_instructions [--requests 500] [--stream]
+        [--baseline-tree DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import aiohttp
+
+from loadtest.bench_proxy import _free_port, _process, _run_cell, _wait_ready
+from loadtest.bench_vs_router import _body, _post
+
+
+async def _instructions(
+    tree: Path, p_url: str, d_url: str, args: argparse.Namespace, out_dir: Path
+) -> float:
+    port = _free_port()
+    out = out_dir / f"callgrind.{port}"
+    argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+            sys.executable, "-m", "pdproxy.cli", "serve", "--port", str(port), "--workers", "1",
+            "--producer", p_url, "--consumer", d_url, "--log-level", "warning"]  # fmt: skip
+    if not (tree / "pdproxy" / "process_group.py").exists():
+        argv = [a for a in argv if a not in ("--workers", "1")]  # a tree from before --workers
+    env = {**os.environ, "PDPROXY_HEALTH__ENABLED": "false", "PYTHONPATH": str(tree)}
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = _body(args.stream, 64 if args.stream else 16)
+    with _process(argv, env, cwd=str(tree)) as proc:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            await _wait_up(session, f"http://127.0.0.1:{port}/health")
+            call = partial(_post, session, url, body)
+            await _run_cell(call, args.concurrency, 600, 100)  # warm up, not counted
+            control = partial(subprocess.run, check=True, capture_output=True)
+            control(["callgrind_control", "-i", "on", str(proc.pid)])
+            _, _, errors, _ = await _run_cell(call, args.concurrency, 600, args.requests)
+            control(["callgrind_control", "-d", str(proc.pid)])
+            control(["callgrind_control", "-i", "off", str(proc.pid)])
+    if errors:
+        raise RuntimeError(f"{errors} requests failed")
+    requests: int = args.requests
+    return _totals(Path(f"{out}.1")) / requests
+
+
+def _totals(dump: Path) -> int:
+    for line in dump.read_text().splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {dump}")
+
+
+async def _wait_up(session: aiohttp.ClientSession, url: str, timeout_s: float = 300) -> None:
+    """Python under valgrind takes tens of seconds to start (more on a loaded machine)."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.5)
+
+
+async def _bench(args: argparse.Namespace, trees: dict[str, Path]) -> dict[str, float]:
+    p_port, d_port = _free_port(), _free_port()
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    backends = [sys.executable, "-m", "loadtest.fake_backend",
+                "--listen", f"P={p_port}", "--listen", f"D={d_port}"]  # fmt: skip
+    results: dict[str, float] = {}
+    with _process(backends), tempfile.TemporaryDirectory() as tmp:
+        async with aiohttp.ClientSession() as session:
+            for url in (p_url, d_url):
+                await _wait_ready(session, url + "/health")
+        for name, tree in trees.items():
+            results[name] = await _instructions(tree, p_url, d_url, args, Path(tmp))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="instructions per proxied request")
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--stream", action="store_true", help="64-chunk streams")
+    parser.add_argument("--baseline-tree", metavar="DIR", help="also measure this checkout")
+    args = parser.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        sys.exit("valgrind not found (Debian: apt-get install valgrind)")
+    trees = {"pdproxy": Path.cwd()}
+    if args.baseline_tree:
+        trees["baseline"] = Path(args.baseline_tree).resolve()
+    results = asyncio.run(_bench(args, trees))
+    kind = "stream64" if args.stream else "nonstream"
+    for name, ir in results.items():
+        print(f"{kind:<10} {name:<9} {ir:>12,.0f} instructions/request")
+    with contextlib.suppress(KeyError):
+        print(f"pdproxy / baseline: x{results['pdproxy'] / results['baseline']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
