@@ -7,14 +7,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from pdproxy.cli import run_server
+from pdproxy.errors import ConfigError
 from pdproxy.membership.settings import (
     DnsDiscoverySettings,
     DnsGroup,
     RegistrationSettings,
     nameserver_address,
 )
-from pdproxy.cli import run_server
-from pdproxy.errors import ConfigError
 from pdproxy.settings import ProxySettings, validation_error_text
 from tests.pdproxy.membership.conftest import RegistrationKeys
 
