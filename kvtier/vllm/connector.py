@@ -4,6 +4,7 @@ Load it with::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.vllm.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"p2p_port": 7701}}'
 
 (``kvtier`` importable in vLLM's interpreter; ``KVTIER_P2P_SECRET`` in its environment on any
@@ -113,6 +114,12 @@ class KvtierConnector(KVConnectorBase_V1):
             raise KvtierConnectorConfigError(
                 "a producer needs a fixed p2p_port in kv_connector_extra_config: the scheduler "
                 "process names it in its answers, the worker process listens on it"
+            )
+        if self.consumes and transfer.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "kv_load_failure_policy is %r: a fetch that falls short fails the request; set "
+                '"kv_load_failure_policy": "recompute" to recompute the missing blocks',
+                transfer.kv_load_failure_policy,
             )
         assert transfer.engine_id is not None
         self.engine_id = str(transfer.engine_id)

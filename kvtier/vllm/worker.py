@@ -206,18 +206,25 @@ class KvtierWorker:
             )
             self._loads[spec.req_id] = _Load(spec, keys, future)
         for rel in releases:
-            deadline = time.monotonic() + self.p2p.connect_timeout_s
-            done = self.net.submit(
-                client.release(
-                    rel.remote_host,
-                    rel.remote_port,
-                    rel.kv_request_id,
-                    deadline,
-                    expected_node_id=rel.remote_engine_id,
-                )
+            self._release(rel)
+
+    def _release(self, rel: ReleaseSpec) -> None:
+        """Tell a producer to drop a supply, off the engine thread (a dead producer must not
+        delay anything)."""
+        if self.client is None:
+            return
+        deadline = time.monotonic() + self.p2p.connect_timeout_s
+        done = self.net.submit(
+            self.client.release(
+                rel.remote_host,
+                rel.remote_port,
+                rel.kv_request_id,
+                deadline,
+                expected_node_id=rel.remote_engine_id,
             )
-            self._background.add(done)
-            done.add_done_callback(self._background.discard)
+        )
+        self._background.add(done)
+        done.add_done_callback(self._background.discard)
 
     def take_results(self) -> list[LoadOutcome]:
         """Install every fetch that has ended (fully, partly or not at all) into its vLLM
@@ -255,6 +262,14 @@ class KvtierWorker:
                 result.usable,
                 len(load.keys),
                 result.reason,
+            )
+            # A fetch that fell short may end without its ``done``: release the supply now
+            # rather than let it hold the producer's pages until the lease ends.
+            spec = load.spec
+            self._release(
+                ReleaseSpec(
+                    spec.kv_request_id, spec.remote_host, spec.remote_port, spec.remote_engine_id
+                )
             )
         return result.usable
 

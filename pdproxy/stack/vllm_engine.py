@@ -193,6 +193,9 @@ def vllm_instance(
             "kv_connector": "KvtierConnector",
             "kv_connector_module_path": KVTIER_CONNECTOR_MODULE,
             "kv_role": "kv_both",
+            # vLLM's default ("fail") fails a request whose KV load fell short; kvtier's contract
+            # is to recompute from the first missing block.
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"p2p_host": "127.0.0.1", "p2p_port": p2p_port},
         }
         argv += ["--kv-transfer-config", json.dumps(transfer)]
