@@ -49,6 +49,7 @@ class KvtierStack:
     pd_url: str
     """Proxy (p2p dialect): producer p1, consumer d1, always disaggregated."""
     supervisor: Supervisor
+    p2p_secret: str
 
     def url(self, name: str) -> str:
         return self.instances[name].url
@@ -95,7 +96,7 @@ def kvtier_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvtierSta
         supervisor.start([ProcessSpec("pd-proxy", argv, url + "/ready", env, "proxy")])
         supervisor.wait_healthy(60.0)
         print(f"\nkvtier vLLM pair up in {time.monotonic() - started:.0f} s ({run_dir / 'logs'})")
-        yield KvtierStack(instances, url, supervisor)
+        yield KvtierStack(instances, url, supervisor, secret)
 
 
 def complete(url: str, prompt: list[int], *, max_tokens: int = 12, **extra: Any) -> dict[str, Any]:
