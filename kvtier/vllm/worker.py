@@ -254,7 +254,7 @@ class KvtierWorker:
             self._count("fetch_failures", 1)
             logger.warning(
                 "request %s: fetch of %s from %s:%d fell short after %d of %d blocks (%s); "
-                "vLLM recomputes the rest",
+                "vLLM recomputes from prompt block %d",
                 load.spec.req_id,
                 load.spec.kv_request_id,
                 load.spec.remote_host,
@@ -262,6 +262,7 @@ class KvtierWorker:
                 result.usable,
                 len(load.keys),
                 result.reason,
+                load.spec.first_block + result.usable,
             )
             # A fetch that fell short may end without its ``done``: release the supply now
             # rather than let it hold the producer's pages until the lease ends.
