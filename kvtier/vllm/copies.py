@@ -20,10 +20,10 @@ import torch
 from kvtier.pages import HostPages
 
 
-def _word_dtype(nbytes: int) -> torch.dtype:
-    """The widest integer type dividing ``nbytes``: wide elements copy several times faster."""
+def _word_dtype(*nbytes: int) -> torch.dtype:
+    """The widest integer type dividing every size: wide elements copy several times faster."""
     for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if nbytes % size == 0:
+        if all(n % size == 0 for n in nbytes):
             return dtype
     return torch.uint8
 
@@ -46,7 +46,7 @@ class LayeredBlockCopier:
         self.page_nbytes = block_nbytes * len(views)
         if self.page_nbytes > host.page_nbytes:
             raise ValueError(f"a block of {self.page_nbytes} bytes exceeds a host page")
-        word = _word_dtype(block_nbytes)
+        word = _word_dtype(block_nbytes, host.page_nbytes)
         self._layers = [v.view(word) for v in views]  # [num_blocks, block_words] each
         words = self._layers[0].shape[1]
         used = host.tensor.view(word)[:, : words * len(views)]
