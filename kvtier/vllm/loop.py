@@ -42,11 +42,13 @@ class NetworkThread:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        """Run ``coro`` on the loop and wait for it (start-up and shutdown only)."""
+        """Run ``coro`` on the loop and wait for it, at most ``timeout_s`` (start-up, shutdown
+        and the task gauge only: never on a request's path). Not from the loop's own thread."""
         return self.submit(coro).result(timeout_s)
 
     def tasks(self) -> int:
-        """Tasks alive on the loop right now (a leak gauge)."""
+        """Tasks alive on the loop right now (a leak gauge); -1 when the loop is too busy to
+        answer within 0.2 s (the engine thread asks, and must not stall)."""
         if not self._started or self._loop.is_closed():
             return 0
 
@@ -54,7 +56,7 @@ class NetworkThread:
             return len(asyncio.all_tasks()) - 1  # minus this one
 
         try:
-            return self.run(count(), 1.0)
+            return self.run(count(), 0.2)
         except (concurrent.futures.TimeoutError, RuntimeError):
             return -1
 

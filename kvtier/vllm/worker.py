@@ -134,7 +134,8 @@ class KvtierWorker:
             )
 
     def shutdown(self) -> None:
-        """vLLM's ``shutdown``: stop serving, drop every supply, stop the network thread."""
+        """vLLM's ``shutdown`` (engine thread, worker exit): stop serving, drop every supply,
+        stop the network thread. Bounded by a few seconds whatever peers do."""
         try:
             if self.server is not None:
                 self.net.run(self.server.stop(), _STOP_TIMEOUT_S)
@@ -153,7 +154,11 @@ class KvtierWorker:
         """Supply every full block of a producer leg under its kv_request_id: blocks the host
         tier holds cascade without a copy, blocks being written elsewhere are parked, the rest
         are copied from vLLM's KV cache now. Returns when the supply is registered and finished
-        (demand for anything else then fails at once)."""
+        (demand for anything else then fails at once).
+
+        Called by ``KvtierConnector.wait_for_save`` on the engine thread, after the forward pass
+        of the step that completed the prompt and before that step's output leaves the worker
+        (so the supply exists before the producer answers). Must not wait on the network."""
         params = {"remote_decoder": {"kv_request_id": spec.kv_request_id}}
         rid = RequestId(f"producer:{spec.req_id}:{uuid.uuid4().hex[:8]}")
         ctx = ReqContext(rid, params)
@@ -185,7 +190,10 @@ class KvtierWorker:
     # -- consumer (engine thread, start_load_kv / get_transfer_results) -----------------------
 
     def start_loads(self, loads: Sequence[LoadSpec], releases: Sequence[ReleaseSpec]) -> None:
-        """Start this step's fetches and releases on the network thread; returns at once."""
+        """Start this step's fetches and releases on the network thread; returns at once.
+
+        Called by ``KvtierConnector.start_load_kv`` on the engine thread, once per step. Never
+        touches vLLM's KV cache (the fetch writes host pages only); never blocks."""
         client = self.client
         if client is None:
             for spec in loads:  # a consumer leg on a producer-only worker: recompute all
@@ -228,7 +236,11 @@ class KvtierWorker:
 
     def take_results(self) -> list[LoadOutcome]:
         """Install every fetch that has ended (fully, partly or not at all) into its vLLM
-        blocks and report it. A fetch ends by its deadline (the client guarantees it)."""
+        blocks and report it. A fetch ends by its deadline (the client guarantees it).
+
+        Called by ``KvtierConnector.get_transfer_results`` on the engine thread, once per step,
+        after the forward pass: the blocks it writes belong to requests vLLM holds in
+        WAITING_FOR_REMOTE_KVS, which no forward pass reads. Polls futures; never waits."""
         outcomes = []
         for req_id in [r for r, load in self._loads.items() if load.future.done()]:
             load = self._loads.pop(req_id)
@@ -301,7 +313,10 @@ class KvtierWorker:
         self._counters.values[name] += value
 
     def stats(self) -> dict[str, float] | None:
-        """Counter deltas since the last call and current gauges; None when nothing changed."""
+        """Counter deltas since the last call and current gauges; None when nothing changed.
+
+        Called by ``KvtierConnector.get_kv_connector_stats`` on the engine thread each step;
+        waits at most a fraction of a second for the network thread's task count."""
         c = self._counters
         deltas = {k: v - c.reported[k] for k, v in c.values.items() if v != c.reported[k]}
         c.reported = dict(c.values)
