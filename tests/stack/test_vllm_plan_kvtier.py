@@ -80,3 +80,15 @@ def test_every_run_has_its_own_secret(tmp_path: Path) -> None:
         )
         seen.add(plan.workers[0].env["KVTIER_P2P_SECRET"])
     assert len(seen) == 2
+
+
+def test_up_takes_the_connector_flag() -> None:
+    import argparse
+
+    from pdproxy.stack.cli import add_up_arguments
+
+    parser = argparse.ArgumentParser()
+    add_up_arguments(parser)
+    assert parser.parse_args(["--engine", "vllm"]).connector == "nixl"
+    args = parser.parse_args(["--engine", "vllm", "--connector", "kvtier"])
+    assert VllmConnector(args.connector) is VllmConnector.KVTIER
