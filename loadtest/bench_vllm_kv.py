@@ -49,6 +49,7 @@ from pdproxy.stack.vllm_engine import (
     VllmInstance,
     VllmPaths,
     VllmRole,
+    free_fixed_port,
     vllm_instance,
 )
 
@@ -172,8 +173,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sockets.mkdir(mode=0o700)
     secret = secrets.token_hex(16)
 
+    picked: set[int] = set()
+
     def make(name: str, role: VllmRole, connector: VllmConnector) -> VllmInstance:
         kvtier = connector is VllmConnector.KVTIER
+        p2p_port = None
+        if kvtier:
+            p2p_port = free_fixed_port(exclude=picked)
+            picked.add(p2p_port)
         return vllm_instance(
             name,
             role,
@@ -182,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             side_channel_port=None if kvtier else _free_port(),
             socket_dir=sockets,
             connector=connector,
-            p2p_port=_free_port() if kvtier else None,
+            p2p_port=p2p_port,
             p2p_secret=secret if kvtier else None,
         )
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import random
+import socket
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -55,6 +57,34 @@ KVTIER_CONNECTOR_MODULE = "kvtier.vllm.connector"
 
 PACKAGES_ROOT = Path(__file__).resolve().parents[2]
 """The directory holding ``pdproxy`` and ``kvtier`` (the repository, or site-packages)."""
+
+
+_FIXED_PORTS = range(20000, 32000)
+"""Below Linux's default ephemeral range (32768-60999): ports the OS hands out for ``bind(0)``."""
+
+
+def free_fixed_port(
+    host: str = "127.0.0.1", tries: int = 200, exclude: Collection[int] = ()
+) -> int:
+    """A free port for a listener that must be named before it binds (kvtier's P2P port: vLLM's
+    scheduler process advertises it, its worker process binds it ~a minute later).
+
+    A port from ``bind(0)`` lies in the ephemeral range, where vLLM's own ZMQ/UCX sockets and
+    every outgoing connection take ports meanwhile (a run failed with "address already in use"
+    that way); a free port below that range is taken only by another explicit choice."""
+    rng = random.Random()
+    for _ in range(tries):
+        port = rng.choice(_FIXED_PORTS)
+        if port in exclude:  # picked for another instance, not bound yet
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    first, last = _FIXED_PORTS.start, _FIXED_PORTS.stop - 1
+    raise OSError(f"no free port in {first}-{last} after {tries} tries")
 
 
 class VllmConnector(StrEnum):

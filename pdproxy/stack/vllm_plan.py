@@ -23,6 +23,7 @@ from pdproxy.stack.vllm_engine import (
     VllmConnector,
     VllmPaths,
     VllmRole,
+    free_fixed_port,
     proxy_backend,
     router_options,
     vllm_instance,
@@ -65,6 +66,7 @@ def build_vllm_plan(
     ports: PortSource = free_port,
     *,
     connector: VllmConnector = VllmConnector.NIXL,
+    p2p_ports: PortSource = free_fixed_port,
 ) -> StackPlan:
     if options.producers < 1 or options.consumers < 1:
         raise ValueError("a PD stack needs at least one producer and one consumer")
@@ -77,6 +79,15 @@ def build_vllm_plan(
     roles += [(VllmRole.CONSUMER, i) for i in range(options.consumers)]
     kvtier = connector is VllmConnector.KVTIER
     p2p_secret = secrets.token_hex(16) if kvtier else None
+    picked: set[int] = set()
+
+    def p2p_port() -> int:
+        port = p2p_ports()
+        while port in picked:  # a fixed-range pick is not bound until vLLM starts
+            port = p2p_ports()
+        picked.add(port)
+        return port
+
     instances = [
         vllm_instance(
             f"{role.value[0]}{i}",
@@ -87,7 +98,7 @@ def build_vllm_plan(
             socket_dir=socket_dir,
             extra_args=options.worker_args,
             connector=connector,
-            p2p_port=ports() if kvtier else None,
+            p2p_port=p2p_port() if kvtier else None,
             p2p_secret=p2p_secret,
         )
         for role, i in roles

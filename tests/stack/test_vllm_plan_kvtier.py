@@ -92,3 +92,14 @@ def test_up_takes_the_connector_flag() -> None:
     assert parser.parse_args(["--engine", "vllm"]).connector == "nixl"
     args = parser.parse_args(["--engine", "vllm", "--connector", "kvtier"])
     assert VllmConnector(args.connector) is VllmConnector.KVTIER
+
+
+def test_p2p_ports_come_from_below_the_ephemeral_range() -> None:
+    """vLLM's own sockets take ephemeral ports while it starts; a P2P port named before the
+    worker binds it must not be one of those."""
+    from pdproxy.stack.vllm_engine import free_fixed_port
+
+    first = free_fixed_port()
+    second = free_fixed_port(exclude={first})
+    assert 20000 <= first < 32000 and 20000 <= second < 32000
+    assert first != second

@@ -29,6 +29,7 @@ from pdproxy.stack.vllm_engine import (
     VllmConnector,
     VllmInstance,
     VllmRole,
+    free_fixed_port,
     proxy_backend,
     vllm_instance,
 )
@@ -65,6 +66,8 @@ def kvtier_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvtierSta
     sockets = run_dir / "sockets"
     sockets.mkdir(mode=0o700)
     secret = secrets.token_hex(16)
+    p1_port = free_fixed_port()
+    p2p_ports = {"p1": p1_port, "d1": free_fixed_port(exclude={p1_port})}
     instances = {
         name: vllm_instance(
             name,
@@ -74,7 +77,7 @@ def kvtier_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvtierSta
             side_channel_port=None,
             socket_dir=sockets,
             connector=VllmConnector.KVTIER,
-            p2p_port=free_port(),
+            p2p_port=p2p_ports[name],
             p2p_secret=secret,
         )
         for name, role in (("p1", VllmRole.PRODUCER), ("d1", VllmRole.CONSUMER))
