@@ -184,6 +184,8 @@ class KvtierScheduler:
                 continue  # shorter than a block: nothing has a key, the consumer computes all
             assert self._kv_cache_manager is not None
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0][: len(hashes)]
+            hashes = hashes[: len(block_ids)]  # both describe the same blocks, one for one
+            producer.num_blocks = len(hashes)
             meta.saves.append(
                 SaveSpec(
                     req_id,
@@ -206,7 +208,15 @@ class KvtierScheduler:
         in flight keeps its blocks (the worker installs into them) until the worker reports it;
         a producer leg whose blocks were supplied answers with where to fetch them."""
         req_id = request.request_id
-        self._consumers.pop(req_id, None)
+        leg = self._consumers.pop(req_id, None)
+        if leg is not None and req_id not in self._tried:
+            # Finished before its load was planned (aborted while queued): the producer's
+            # supply is not needed, release it now rather than at the end of its lease.
+            self._releases.append(
+                ReleaseSpec(
+                    leg.kv_request_id, leg.remote_host, leg.remote_port, leg.remote_engine_id
+                )
+            )
         self._tried.discard(req_id)
         producer = self._producers.pop(req_id, None)
         if req_id in self._loading:
