@@ -37,7 +37,7 @@ from pdproxy.stack.plan import (
 )
 from pdproxy.stack.proxy_view import ProxyBackendsView
 from pdproxy.stack.supervisor import ProcessStatus, Supervisor
-from pdproxy.stack.vllm_engine import VllmPaths
+from pdproxy.stack.vllm_engine import VllmConnector, VllmPaths
 from pdproxy.stack.vllm_plan import build_vllm_plan
 
 DESCRIPTION = __doc__.split("\n\n")[1] if __doc__ else ""
@@ -50,6 +50,14 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
         default="worker",
         help="worker: kvtier reference workers; vllm: real vLLM (CPU) with NIXL, set up by "
         "`scripts/dev vllm-setup`",
+    )
+    parser.add_argument(
+        "--connector",
+        choices=[c.value for c in VllmConnector],
+        default=VllmConnector.NIXL.value,
+        help="with --engine vllm: the KV connector between producers and consumers: nixl "
+        "(vLLM's NixlConnector, proxy in the nixl dialect) or kvtier (kvtier.vllm's "
+        "KvtierConnector over kvtier P2P, proxy in the p2p dialect)",
     )
     parser.add_argument("--vllm-venv", type=Path, default=None, metavar="DIR",
                         help="vLLM's venv (PDPROXY_VLLM_VENV, else ./.venv-vllm)")  # fmt: skip
@@ -273,7 +281,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         if args.engine == "vllm":
             paths = VllmPaths.resolve(args.vllm_venv, args.vllm_model)
-            plan = build_vllm_plan(options, paths, run_dir)
+            plan = build_vllm_plan(options, paths, run_dir, connector=VllmConnector(args.connector))
         else:
             plan = build_plan(options, run_dir)
     except ValueError as exc:

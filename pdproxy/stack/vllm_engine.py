@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import random
+import socket
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -49,6 +51,47 @@ from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm", *sys.argv[1:]]
 sys.exit(main())
 """
+
+
+KVTIER_CONNECTOR_MODULE = "kvtier.vllm.connector"
+
+PACKAGES_ROOT = Path(__file__).resolve().parents[2]
+"""The directory holding ``pdproxy`` and ``kvtier`` (the repository, or site-packages)."""
+
+
+_FIXED_PORTS = range(20000, 32000)
+"""Below Linux's default ephemeral range (32768-60999): ports the OS hands out for ``bind(0)``."""
+
+
+def free_fixed_port(
+    host: str = "127.0.0.1", tries: int = 200, exclude: Collection[int] = ()
+) -> int:
+    """A free port for a listener that must be named before it binds (kvtier's P2P port: vLLM's
+    scheduler process advertises it, its worker process binds it ~a minute later).
+
+    A port from ``bind(0)`` lies in the ephemeral range, where vLLM's own ZMQ/UCX sockets and
+    every outgoing connection take ports meanwhile (a run failed with "address already in use"
+    that way); a free port below that range is taken only by another explicit choice."""
+    rng = random.Random()
+    for _ in range(tries):
+        port = rng.choice(_FIXED_PORTS)
+        if port in exclude:  # picked for another instance, not bound yet
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    first, last = _FIXED_PORTS.start, _FIXED_PORTS.stop - 1
+    raise OSError(f"no free port in {first}-{last} after {tries} tries")
+
+
+class VllmConnector(StrEnum):
+    """Which KV connector PD instances load."""
+
+    NIXL = "nixl"
+    KVTIER = "kvtier"
 
 
 class VllmRole(StrEnum):
@@ -107,6 +150,9 @@ class VllmInstance:
     events_endpoint: str
     replay_endpoint: str
     role: VllmRole
+    connector: VllmConnector = VllmConnector.NIXL
+    p2p_port: int | None = None
+    """kvtier connector: the instance's P2P server port (its ``kv_address`` for the proxy)."""
 
 
 def engine_env(side_channel_port: int | None) -> dict[str, str]:
@@ -139,8 +185,14 @@ def vllm_instance(
     side_channel_port: int | None,
     socket_dir: Path,
     extra_args: tuple[str, ...] = (),
+    connector: VllmConnector = VllmConnector.NIXL,
+    p2p_port: int | None = None,
+    p2p_secret: str | None = None,
 ) -> VllmInstance:
-    """The command line of one instance; its event sockets are files in ``socket_dir``."""
+    """The command line of one instance; its event sockets are files in ``socket_dir``.
+
+    ``connector=KVTIER`` needs ``p2p_port`` and ``p2p_secret`` for PD roles (and ignores
+    ``side_channel_port``)."""
     events = f"ipc://{socket_dir / f'{name}-events'}"
     replay = f"ipc://{socket_dir / f'{name}-replay'}"
     kv_events = {
@@ -162,7 +214,23 @@ def vllm_instance(
         "--enable-prompt-tokens-details",
         "--kv-events-config", json.dumps(kv_events),
     ]  # fmt: skip
-    if role is not VllmRole.SINGLE:
+    kvtier = connector is VllmConnector.KVTIER and role is not VllmRole.SINGLE
+    env = engine_env(None)
+    if kvtier:
+        if p2p_port is None or not p2p_secret:
+            raise ValueError(f"{name}: a kvtier {role} instance needs a P2P port and secret")
+        transfer: dict[str, Any] = {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": KVTIER_CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            # vLLM's default ("fail") fails a request whose KV load fell short; kvtier's contract
+            # is to recompute from the first missing block.
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"p2p_host": "127.0.0.1", "p2p_port": p2p_port},
+        }
+        argv += ["--kv-transfer-config", json.dumps(transfer)]
+        env |= {"PYTHONPATH": str(PACKAGES_ROOT), "KVTIER_P2P_SECRET": p2p_secret}
+    elif role is not VllmRole.SINGLE:
         if side_channel_port is None:
             raise ValueError(f"{name}: a {role} instance needs a NIXL side-channel port")
         transfer = {
@@ -171,29 +239,36 @@ def vllm_instance(
             "kv_buffer_device": "cpu",
         }
         argv += ["--kv-transfer-config", json.dumps(transfer)]
+        env = engine_env(side_channel_port)
     argv += extra_args
     url = f"http://127.0.0.1:{http_port}"
     spec = ProcessSpec(
         name=name,
         argv=tuple(argv),
         health_url=url + "/health",
-        env=engine_env(side_channel_port if role is not VllmRole.SINGLE else None),
+        env=env,
         role=role.value,
     )
-    return VllmInstance(spec, url, events, replay, role)
+    used = connector if role is not VllmRole.SINGLE else VllmConnector.NIXL
+    return VllmInstance(spec, url, events, replay, role, used, p2p_port if kvtier else None)
 
 
 def proxy_backend(instance: VllmInstance) -> dict[str, Any]:
-    """The instance as a proxy backend (NIXL dialect, events wired)."""
+    """The instance as a proxy backend (NIXL or, for kvtier, P2P dialect; events wired). A
+    kvtier producer's answers must name its own P2P server (``kv_address``)."""
     role = "consumer" if instance.role is VllmRole.SINGLE else instance.role.value
-    return {
+    dialect = "nixl" if instance.connector is VllmConnector.NIXL else "p2p"
+    backend: dict[str, Any] = {
         "name": instance.spec.name,
         "url": instance.url,
         "role": role,
-        "dialect": "nixl" if instance.role is not VllmRole.SINGLE else "none",
+        "dialect": dialect if instance.role is not VllmRole.SINGLE else "none",
         "events_endpoint": instance.events_endpoint,
         "events_replay_endpoint": instance.replay_endpoint,
     }
+    if instance.p2p_port is not None and instance.role is VllmRole.PRODUCER:
+        backend["kv_address"] = f"127.0.0.1:{instance.p2p_port}"
+    return backend
 
 
 def router_options(paths: VllmPaths) -> dict[str, Any]:

@@ -4,6 +4,11 @@ Same shape as :func:`pdproxy.stack.plan.build_plan` (workers first, the proxy la
 file), with vLLM instances instead of reference workers: NIXL between producers and consumers,
 the proxy in the NIXL dialect, and the KV router matched to vLLM (block size, the model
 directory's tokenizer and chat template, events from every instance).
+
+``connector=VllmConnector.KVTIER`` (``pdproxy up --engine vllm --connector kvtier``) loads
+kvtier's connector in every instance instead, with a fresh P2P secret per run (in each
+instance's environment), one P2P port per instance, and the proxy in the ``p2p`` dialect with
+each producer's ``kv_address`` set to its P2P server.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from typing import Any
 from pdproxy.stack.plan import PortSource, StackOptions, StackPlan, free_port, proxy_process
 from pdproxy.stack.vllm_engine import (
     SERVED_NAME,
+    VllmConnector,
     VllmPaths,
     VllmRole,
+    free_fixed_port,
     proxy_backend,
     router_options,
     vllm_instance,
@@ -57,6 +64,9 @@ def build_vllm_plan(
     paths: VllmPaths,
     run_dir: Path,
     ports: PortSource = free_port,
+    *,
+    connector: VllmConnector = VllmConnector.NIXL,
+    p2p_ports: PortSource = free_fixed_port,
 ) -> StackPlan:
     if options.producers < 1 or options.consumers < 1:
         raise ValueError("a PD stack needs at least one producer and one consumer")
@@ -67,15 +77,29 @@ def build_vllm_plan(
     socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     roles = [(VllmRole.PRODUCER, i) for i in range(options.producers)]
     roles += [(VllmRole.CONSUMER, i) for i in range(options.consumers)]
+    kvtier = connector is VllmConnector.KVTIER
+    p2p_secret = secrets.token_hex(16) if kvtier else None
+    picked: set[int] = set()
+
+    def p2p_port() -> int:
+        port = p2p_ports()
+        while port in picked:  # a fixed-range pick is not bound until vLLM starts
+            port = p2p_ports()
+        picked.add(port)
+        return port
+
     instances = [
         vllm_instance(
             f"{role.value[0]}{i}",
             role,
             paths,
             http_port=ports(),
-            side_channel_port=ports(),
+            side_channel_port=None if kvtier else ports(),
             socket_dir=socket_dir,
             extra_args=options.worker_args,
+            connector=connector,
+            p2p_port=p2p_port() if kvtier else None,
+            p2p_secret=p2p_secret,
         )
         for role, i in roles
     ]
