@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.events import BlockStored, EventBatch
 from kvtier.keys import BlockHasher
+from kvtier.residency.redis_index import RedisIndex
 from kvtier.residency.types import NodeId
 from loadtest.redis_server import own_redis_server
 from pdproxy.routing.base import RequestOutcome, Role, RouteRequest
@@ -78,7 +79,7 @@ async def _measure(
     for node in producers + consumers:
         n = rng.randrange(0, len(hashes) + 1) * BLOCK
         event = BlockStored(tuple(hashes[: n // BLOCK]), None, tuple(prompt[:n]), BLOCK)
-        await router._index.apply(NodeId(node.name), EventBatch(0.0, (event,)))
+        await router.state.index.apply(NodeId(node.name), EventBatch(0.0, (event,)))
     decide, route = [], []
     for i in range(decisions + 50):
         req = RouteRequest(f"b{i}", "completions", {"prompt": prompt})
@@ -92,7 +93,7 @@ async def _measure(
     match = []
     for _ in range(decisions):
         t0 = time.perf_counter()
-        await router._index.match(hashes)
+        await router.state.index.match(hashes)
         match.append((time.perf_counter() - t0) * 1000)
     return decide, route, match
 
@@ -128,11 +129,11 @@ async def _decision_time(decisions: int, redis_url: str | None) -> None:
         await router.start()
         try:
             ping = []
-            client = router._shared._client if router._shared is not None else None
-            assert client is not None
+            index = router.state.index
+            assert isinstance(index, RedisIndex)
             for _ in range(decisions):
                 t0 = time.perf_counter()
-                await client.ping()
+                await index.ping()
                 ping.append((time.perf_counter() - t0) * 1000)
             decide, route, match = await _measure(router, decisions, 2)
             fallbacks = router.metrics.registry.get_sample_value(

@@ -43,14 +43,12 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from redis.asyncio import Redis
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
-from redis.retry import Retry
+from redis.exceptions import RedisError
 
 from kvtier.errors import ResidencyUnavailable
 from kvtier.events.types import EventBatch, Medium
 from kvtier.keys import BLOCK_HASH_BYTES, BlockHash, BlockHasher
+from kvtier.residency.redis_client import RedisClient, bounded, connect, hash_tag
 from kvtier.residency.translate import (
     ClearOp,
     EngineHashMap,
@@ -73,8 +71,11 @@ class RedisIndexSettings(BaseSettings):
 
     url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL")
     namespace: str = Field(default="kvtier", description="first part of the per-model hash tag")
-    deadline_s: float = Field(
-        default=0.05, gt=0, description="deadline of match/predict/forget/nodes"
+    deadline_s: float | None = Field(
+        default=0.05,
+        gt=0,
+        description="deadline of match/predict/forget/nodes; None when the caller bounds each "
+        "call itself (the router's store guard)",
     )
     apply_deadline_s: float = Field(default=0.5, gt=0, description="deadline of one apply call")
     max_connections: int = Field(default=64, gt=0, description="connection pool size")
@@ -85,12 +86,6 @@ def _lua(name: str) -> str:
     return files("kvtier.residency").joinpath(name).read_text(encoding="utf-8")
 
 
-def hash_tag(namespace: str, model_seed: str) -> str:
-    """``{namespace:model}`` with braces removed from the parts (they would end the tag)."""
-    clean = "".join(c for c in f"{namespace}:{model_seed}" if c not in "{}")
-    return "{" + clean + "}"
-
-
 class RedisIndex:
     """:class:`kvtier.residency.types.ResidencyIndex` in Redis (see the module docstring)."""
 
@@ -98,8 +93,16 @@ class RedisIndex:
     """Start a background sweep once this many slots are retired."""
 
     def __init__(
-        self, hasher: BlockHasher, settings: RedisIndexSettings, client: Redis | None = None
+        self,
+        hasher: BlockHasher,
+        settings: RedisIndexSettings,
+        client: RedisClient | None = None,
+        *,
+        close_client: bool = False,
     ) -> None:
+        """``client`` (from :func:`~kvtier.residency.redis_client.connect`) is shared with the
+        caller, which closes it unless ``close_client``; without one the index connects to
+        ``settings.url`` and closes its own client."""
         self._hasher = hasher
         self._settings = settings
         tag = hash_tag(settings.namespace, hasher.model_seed)
@@ -108,14 +111,12 @@ class RedisIndex:
         self._nodes_key = f"{tag}:nodes".encode()
         self._prefix = f"{tag}:".encode()
         self._keys = [self._slots, self._retired, self._nodes_key]
-        self._own_client = client is None
-        self._redis: Redis = client or Redis.from_url(
+        self._own_client = client is None or close_client
+        self._redis: RedisClient = client or connect(
             settings.url,
-            socket_timeout=settings.apply_deadline_s,
-            socket_connect_timeout=settings.deadline_s,
-            retry=Retry(NoBackoff(), 0),
+            socket_timeout_s=settings.apply_deadline_s,
+            connect_timeout_s=settings.deadline_s or settings.apply_deadline_s,
             max_connections=settings.max_connections,
-            health_check_interval=0,
         )
         self._match = self._redis.register_script(_lua("match.lua"))
         self._apply = self._redis.register_script(_lua("apply.lua"))
@@ -132,18 +133,13 @@ class RedisIndex:
         m = self._maps.get(node)
         return m.stats if m is not None else TranslateStats()
 
-    async def _call(self, what: str, deadline: float, fn: Callable[[], Awaitable[T]]) -> T:
+    async def _call(self, what: str, deadline: float | None, fn: Callable[[], Awaitable[T]]) -> T:
         try:
-            async with asyncio.timeout(deadline):
-                return await fn()
-        except ResponseError as exc:
-            if str(exc).startswith("NOSLOT"):
+            return await bounded(what, deadline, fn)
+        except ResidencyUnavailable as exc:
+            if "NOSLOT" in str(exc):
                 self._start_sweep()
-            raise ResidencyUnavailable(f"redis {what} refused: {exc}") from exc
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ResidencyUnavailable(
-                f"redis {what} failed within {deadline * 1000:.0f} ms: {exc!r}"
-            ) from exc
+            raise
 
     @staticmethod
     def _blob(hashes: Sequence[BlockHash]) -> bytes:
@@ -186,7 +182,7 @@ class RedisIndex:
                 return
             async with self._redis.pipeline(transaction=False) as pipe:
                 for _, args in calls:
-                    await self._apply(keys=self._keys, args=args, client=pipe)
+                    await self._apply(keys=self._keys, args=args, client=pipe)  # type: ignore[arg-type]
                 await pipe.execute()
 
         touched = {node for node, _ in calls}

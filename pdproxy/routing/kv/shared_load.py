@@ -18,8 +18,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
-
+from kvtier.residency.redis_client import RedisClient, hash_tag
 from pdproxy.routing.kv.load import LoadDelta, NodeLoad
 
 _READ = """
@@ -66,16 +65,12 @@ return 1
 """
 
 
-def hash_tag(prefix: str, model_seed: str) -> str:
-    return "{" + f"{prefix}:{model_seed}" + "}"
-
-
 class RedisLoad:
     """One replica's handle on the shared load counters."""
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         *,
         prefix: str,
         model_seed: str,

@@ -10,7 +10,8 @@ from redis.asyncio import Redis
 
 from kvtier.errors import ResidencyUnavailable
 from kvtier.keys import BlockHasher
-from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings, hash_tag
+from kvtier.residency.redis_client import hash_tag
+from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings
 from kvtier.residency.types import Match, NodeId
 
 from .conftest import BLOCK, FakeEngine, batch, redis_index

@@ -52,7 +52,7 @@ async def test_two_replicas_make_the_same_choice_and_share_load(
     await b.start()
     producers, consumers = pool(3, 2)
     prefix = prompt_text(1)
-    await a._index.apply(NodeId("p2"), stored(prefix))  # events applied by one replica
+    await a.state.index.apply(NodeId("p2"), stored(prefix))  # events applied by one replica
     da = await a.route(text_request(prefix + "q1"), producers, consumers)
     assert da.explain["index"] == "redis"
     assert da.producers[0].name == "p2" and da.reason == "kv-prefix"
@@ -104,7 +104,7 @@ async def test_redis_killed_mid_run_falls_back_and_recovers(
     await router.start()
     producers, consumers = pool(2, 2)
     prefix = prompt_text(5)
-    await router._index.apply(NodeId("p1"), stored(prefix))
+    await router.state.index.apply(NodeId("p1"), stored(prefix))
     sources: list[str] = []
     slowest_after_kill = 0.0
     killed_at: float | None = None
@@ -147,7 +147,7 @@ async def test_redis_killed_mid_run_falls_back_and_recovers(
     assert router.breaker_state is BreakerState.CLOSED
     assert router.metrics.registry.get_sample_value("pdproxy_kv_router_shared_state_up") == 1
     # Residency rebuilt from events after the restart.
-    await router._index.apply(NodeId("p1"), stored(prefix))
+    await router.state.index.apply(NodeId("p1"), stored(prefix))
     d = await router.route(text_request(prefix + "again"), producers, consumers)
     assert d.producers[0].name == "p1" and d.reason == "kv-prefix"
 
@@ -184,9 +184,9 @@ async def test_late_replica_joining_events_keeps_the_shared_state(
         early = make_router(settings_for(redis_url, **feeds))
         await early.start()
         producers, consumers = pool(2, 1)
-        hashes = early._hasher.hash_tokens(list(prefix.encode()))
+        hashes = early.hasher.hash_tokens(list(prefix.encode()))
         deadline = time.monotonic() + 5
-        while NodeId("p1") not in await early._index.match(hashes):
+        while NodeId("p1") not in await early.state.index.match(hashes):
             assert time.monotonic() < deadline, "events never arrived"
             await pub.publish(stored(prefix))  # PUB/SUB joins late: republish until applied
             await asyncio.sleep(0.05)
