@@ -1,35 +1,29 @@
-"""Residency index in Redis, shared by several proxies.
+"""Residency index in Redis, shared by several proxies (layout: :mod:`.redis_layout`).
 
-Layout (every key of a model under one hash tag, so a model lives in one Redis Cluster slot):
-``{ns:model}:slots`` (hash node → slot 0..25), ``{ns:model}:retired`` (set of slots awaiting a
-sweep), ``{ns:model}:nodes`` (set of known nodes), and per router block hash ``h`` (16 raw
-bytes): ``{ns:model}:r:h`` = ``G + C·2^26`` where ``G`` / ``C`` are bitmasks of the slots
-holding the block on GPU / CPU, and ``{ns:model}:p:h`` = the block's predictions, one 16-byte
-entry per slot (slot, then its expiry in ms on the Redis clock), expiring with its
-longest-lived prediction (``{ns:model}:plive`` with the longest-lived of all: without it,
-``match`` skips prediction keys). Each live node owns one bit, so at most 26 nodes per model
-are tracked at once.
+Each live node owns a slot (up to 65,536 per model, live and retired together). A block's
+residency value lists its holders' slots, so reading it costs its number of holders, never the
+number of nodes: ``match`` over a thousand idle nodes costs what it costs over one.
 
-Forgetting a node (or an ``AllBlocksCleared`` from it) retires its slot: ``match`` ignores
-retired bits at once, and :meth:`RedisIndex.sweep` (run in the background when slots run
-short) clears them from every key before the slot is handed out again. This plays the role
-of node epochs: a restarted node's stale entries vanish in O(1).
+``match`` reads residency and prediction values in chunks (a short first one, then up to
+``max_blocks_per_call`` blocks), one read-only script call each (``read``: the values, the Redis
+clock, and the names of the slots the values mention; a slot that names no node is retired and
+ignored), and walks them here (:mod:`.redis_walk`); it stops reading at the first block that no
+node still matching holds or has predicted. Writes run as Lua scripts
+(``*.lua`` beside this module) that declare every key they touch: ``apply`` (one node's translated
+operations), ``predict`` (speculative entries with a TTL), ``forget`` (retire a node's slot),
+``sweep`` (scrub retired slots' entries before the slot is handed out again; in the background
+once ``SWEEP_AFTER_RETIRED`` slots are retired), ``free`` (hand swept slots back).
 
-Lua scripts (``*.lua`` beside this module), registered once per client (EVALSHA; reloaded if
-Redis lost them): ``match`` walks the chain in one round trip, reading only: residency values
-with MGET in chunks, prediction entries only for blocks a node still matching lacks, skipping
-blocks whose values equal the previous block's, keeping a running AND of the masks per tier and
-stopping at the first block that no node still matching holds or predicted; ``apply`` writes
-one batch of translated operations; ``predict`` writes predictions with a TTL (dropping expired
-entries it meets); ``forget`` retires a slot; ``sweep`` scrubs retired bits and entries.
-Block keys are built inside the scripts from a prefix sharing the declared keys' hash tag;
-hashes travel as one concatenated argument.
+Cost per call is bounded whatever the prompt: every script call names at most
+``max_blocks_per_call`` blocks; a longer prompt or batch is split into several calls, so a Redis
+server serves other clients between them (a script that runs stops every other client: the
+client's deadline cannot interrupt it). Hashes are checked before anything is sent.
 
-Every call runs under a deadline (``deadline_s``; ``apply_deadline_s`` for writes) with no
+Every call runs under a deadline (``deadline_s``, or none when the caller bounds each call, as
+the router's store guard does; ``apply_deadline_s`` for writes from event feeds), with no
 retries: a dead, paused or slow Redis raises :class:`kvtier.errors.ResidencyUnavailable` in
-milliseconds, so the router can fall back to load-only routing. A failed ``apply`` marks the
-node for a resync: the next successful one clears it in Redis and rewrites everything the
-node's engine-hash map knows.
+milliseconds. A failed ``apply`` marks the node for a resync: its next successful one clears it
+in Redis and rewrites everything the node's engine-hash map knows.
 """
 
 from __future__ import annotations
@@ -43,12 +37,15 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from kvtier.errors import ResidencyUnavailable
 from kvtier.events.types import EventBatch, Medium
 from kvtier.keys import BLOCK_HASH_BYTES, BlockHash, BlockHasher
-from kvtier.residency.redis_client import RedisClient, bounded, connect, hash_tag
+from kvtier.residency.redis_client import RedisClient, bounded, connect
+from kvtier.residency.redis_layout import MAX_SLOTS, ModelKeys
+from kvtier.residency.redis_walk import Walk
 from kvtier.residency.translate import (
     ClearOp,
     EngineHashMap,
@@ -62,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _TIER = {Medium.GPU: b"G", Medium.CPU: b"C"}
+FIRST_MATCH_CHUNK = 64
+"""Blocks read by a match's first MGET: most prompts that match nothing stop there."""
 
 
 class RedisIndexSettings(BaseSettings):
@@ -69,7 +68,10 @@ class RedisIndexSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVTIER_RESIDENCY_")
 
-    url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL")
+    url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis URL; redis+cluster://host:port for a Redis Cluster",
+    )
     namespace: str = Field(default="kvtier", description="first part of the per-model hash tag")
     deadline_s: float | None = Field(
         default=0.05,
@@ -80,10 +82,30 @@ class RedisIndexSettings(BaseSettings):
     apply_deadline_s: float = Field(default=0.5, gt=0, description="deadline of one apply call")
     max_connections: int = Field(default=64, gt=0, description="connection pool size")
     group_idx: int = Field(default=0, ge=0, description="KV-cache group whose events are indexed")
+    max_node_slots: int = Field(
+        default=MAX_SLOTS,
+        ge=1,
+        le=MAX_SLOTS,
+        description="most node slots per model, live and retired together",
+    )
+    max_blocks_per_call: int = Field(
+        default=512,
+        ge=1,
+        le=8192,
+        description="most blocks one script call or MGET names (bounds the time one call holds "
+        "Redis; longer prompts and batches take several calls)",
+    )
 
 
 def _lua(name: str) -> str:
     return files("kvtier.residency").joinpath(name).read_text(encoding="utf-8")
+
+
+def check_hashes(hashes: Sequence[BlockHash]) -> None:
+    """Refuse, before sending anything, hashes that are not router block hashes."""
+    for h in hashes:
+        if len(h) != BLOCK_HASH_BYTES:
+            raise ValueError(f"block hashes must be {BLOCK_HASH_BYTES} bytes each, got {len(h)}")
 
 
 class RedisIndex:
@@ -105,12 +127,7 @@ class RedisIndex:
         ``settings.url`` and closes its own client."""
         self._hasher = hasher
         self._settings = settings
-        tag = hash_tag(settings.namespace, hasher.model_seed)
-        self._slots = f"{tag}:slots".encode()
-        self._retired = f"{tag}:retired".encode()
-        self._nodes_key = f"{tag}:nodes".encode()
-        self._prefix = f"{tag}:".encode()
-        self._keys = [self._slots, self._retired, self._nodes_key]
+        self.keys = ModelKeys.of(settings.namespace, hasher.model_seed)
         self._own_client = client is None or close_client
         self._redis: RedisClient = client or connect(
             settings.url,
@@ -118,15 +135,23 @@ class RedisIndex:
             connect_timeout_s=settings.deadline_s or settings.apply_deadline_s,
             max_connections=settings.max_connections,
         )
-        self._match = self._redis.register_script(_lua("match.lua"))
+        self._cluster = isinstance(self._redis, RedisCluster)
         self._apply = self._redis.register_script(_lua("apply.lua"))
         self._predict = self._redis.register_script(_lua("predict.lua"))
         self._forget = self._redis.register_script(_lua("forget.lua"))
         self._sweep = self._redis.register_script(_lua("sweep.lua"))
+        self._free = self._redis.register_script(_lua("free.lua"))
+        self._read = self._redis.register_script(_lua("read.lua"))
         self._maps: dict[NodeId, EngineHashMap] = {}
         self._resync: set[NodeId] = set()
         self._sweep_task: asyncio.Task[int] | None = None
         self.sweeps = 0
+        self.calls = 0
+        """Script calls and MGETs sent (a test counts chunks with it)."""
+
+    @property
+    def max_blocks_per_call(self) -> int:
+        return self._settings.max_blocks_per_call
 
     def translate_stats(self, node: NodeId) -> TranslateStats:
         """How ``node``'s events translated in this process since it was last forgotten."""
@@ -141,22 +166,58 @@ class RedisIndex:
                 self._start_sweep()
             raise
 
-    @staticmethod
-    def _blob(hashes: Sequence[BlockHash]) -> bytes:
-        blob = b"".join(hashes)
-        if len(blob) != BLOCK_HASH_BYTES * len(hashes):
-            raise ValueError(f"block hashes must be {BLOCK_HASH_BYTES} bytes each")
-        return blob
+    async def _scripts(self, calls: Sequence[tuple[Any, list[bytes], list[Any]]]) -> list[Any]:
+        """Run script calls in order: one pipelined round trip on a single node; one call
+        after another on a cluster (its client pipelines no scripts)."""
+        self.calls += len(calls)
+        if len(calls) == 1:
+            script, keys, args = calls[0]
+            return [await script(keys=keys, args=args)]
+        if self._cluster:
+            return [await script(keys=keys, args=args) for script, keys, args in calls]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                await script(keys=keys, args=args, client=pipe)
+            return list(await pipe.execute())
 
-    def _apply_args(self, node: NodeId, ops: Sequence[ResidencyOp]) -> list[bytes | str | int]:
-        args: list[bytes | str | int] = [self._prefix, node, BLOCK_HASH_BYTES]
+    # -- writes ----------------------------------------------------------------------------
+
+    def _apply_calls(
+        self, node: NodeId, ops: Sequence[ResidencyOp]
+    ) -> list[tuple[Any, list[bytes], list[Any]]]:
+        """``ops`` as apply.lua calls of at most ``max_blocks_per_call`` blocks each."""
+        limit = self._settings.max_blocks_per_call
+        head: list[Any] = [node, self._settings.max_node_slots]
+        calls: list[tuple[Any, list[bytes], list[Any]]] = []
+        keys: list[bytes] = []
+        args: list[Any] = []
+
+        def flush() -> None:
+            nonlocal keys, args
+            if args or not calls:  # an empty batch still makes the node known
+                calls.append((self._apply, self.keys.meta + keys, head + args))
+            keys, args = [], []
+
+        r = self.keys.r
         for op in ops:
             if isinstance(op, ClearOp):
                 args.append(b"C")
-            elif op.hashes:
-                kind = b"S" if isinstance(op, StoreOp) else b"R"
-                args += (kind, _TIER[op.medium], self._blob(op.hashes))
-        return args
+                continue
+            check_hashes(op.hashes)
+            kind = b"S" if isinstance(op, StoreOp) else b"R"
+            hashes = op.hashes
+            start = 0
+            while start < len(hashes):
+                room = limit - len(keys)
+                if room == 0:
+                    flush()
+                    continue
+                part = hashes[start : start + room]
+                keys += [r + h for h in part]
+                args += [kind, _TIER[op.medium], len(part)]
+                start += len(part)
+        flush()
+        return calls
 
     def _ops_for(self, node: NodeId, batch: object) -> list[ResidencyOp]:
         if not isinstance(batch, EventBatch):
@@ -173,80 +234,93 @@ class RedisIndex:
         await self.apply_many([(node, batch)])
 
     async def apply_many(self, items: Sequence[tuple[NodeId, object]]) -> None:
-        """Apply batches in order in one pipelined round trip (one script call per batch)."""
-        calls = [(node, self._apply_args(node, self._ops_for(node, b))) for node, b in items]
-
-        async def run() -> None:
-            if len(calls) == 1:
-                await self._apply(keys=self._keys, args=calls[0][1])
-                return
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for _, args in calls:
-                    await self._apply(keys=self._keys, args=args, client=pipe)  # type: ignore[arg-type]
-                await pipe.execute()
-
-        touched = {node for node, _ in calls}
-        try:
-            await self._call("apply", self._settings.apply_deadline_s, run)
-        except ResidencyUnavailable:
-            self._resync |= touched
-            raise
+        """Apply batches in order (pipelined on a single node; bounded script calls)."""
+        calls: list[tuple[Any, list[bytes], list[Any]]] = []
+        for node, b in items:
+            calls += self._apply_calls(node, self._ops_for(node, b))
+        touched = {node for node, _ in items}
+        if calls:
+            try:
+                await self._call(
+                    "apply", self._settings.apply_deadline_s, lambda: self._scripts(calls)
+                )
+            except ResidencyUnavailable:
+                self._resync |= touched
+                raise
         self._resync -= touched
-
-    async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
-        if not hashes:
-            return {}
-        args: list[bytes | int] = [self._prefix, self._blob(hashes), BLOCK_HASH_BYTES]
-        raw: list[Any] = await self._call(
-            "match",
-            self._settings.deadline_s,
-            lambda: self._match(keys=[self._slots], args=args),
-        )
-        out: dict[NodeId, Match] = {}
-        for i in range(0, len(raw), 5):
-            node = raw[i].decode() if isinstance(raw[i], bytes) else str(raw[i])
-            g, c, t, p = (int(x) for x in raw[i + 1 : i + 5])
-            out[NodeId(node)] = Match(gpu=g, cpu=c, total=t, predicted=p)
-        return out
 
     async def predict(self, node: NodeId, hashes: Sequence[BlockHash], ttl_s: float) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if not hashes:
             return
+        check_hashes(hashes)
         ttl_ms = max(1, round(ttl_s * 1000))
-        args: list[bytes | str | int] = [
-            self._prefix,
-            node,
-            BLOCK_HASH_BYTES,
-            ttl_ms,
-            self._blob(hashes),
+        limit = self._settings.max_blocks_per_call
+        head = [*self.keys.meta, self.keys.plive]
+        p = self.keys.p
+        calls = [
+            (
+                self._predict,
+                head + [p + h for h in hashes[i : i + limit]],
+                [node, self._settings.max_node_slots, ttl_ms],
+            )
+            for i in range(0, len(hashes), limit)
         ]
-        await self._call(
-            "predict",
-            self._settings.deadline_s,
-            lambda: self._predict(keys=self._keys, args=args),
-        )
+        await self._call("predict", self._settings.deadline_s, lambda: self._scripts(calls))
 
     async def forget(self, node: NodeId) -> None:
         """Drop ``node``. If Redis fails, the local map is dropped anyway and the node's next
         apply clears what Redis still holds."""
         self._maps.pop(node, None)
         self._resync.add(node)
+        k = self.keys
         retired = await self._call(
             "forget",
             self._settings.deadline_s,
-            lambda: self._forget(keys=self._keys, args=[node]),
+            lambda: self._forget(keys=[k.slots, k.names, k.nodes, k.retired], args=[node]),
         )
         self._resync.discard(node)
         if int(retired) >= self.SWEEP_AFTER_RETIRED:
             self._start_sweep()
 
+    # -- reads -----------------------------------------------------------------------------
+
+    async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
+        if not hashes:
+            return {}
+        check_hashes(hashes)
+        return await self._call("match", self._settings.deadline_s, lambda: self._match(hashes))
+
+    async def _match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
+        k = self.keys
+        limit = self._settings.max_blocks_per_call
+        walk: Walk | None = None
+        names: dict[int, str] = {}
+        start = 0
+        while start < len(hashes) and (walk is None or walk.alive):
+            part = hashes[start : start + (FIRST_MATCH_CHUNK if start == 0 else limit)]
+            keys = [k.names, k.plive, *(k.r + h for h in part), *(k.p + h for h in part)]
+            self.calls += 1
+            now_ms, rv, pv, named = await self._read(keys=keys, args=[len(part)])
+            if walk is None:
+                walk = Walk(int(now_ms))
+            for i in range(0, len(named), 2):
+                names[int(named[i])] = named[i + 1].decode()
+            walk.feed(rv, pv)
+            start += len(part)
+        out: dict[NodeId, Match] = {}
+        for slot, (g, c, t, p) in (walk.result() if walk is not None else {}).items():
+            name = names.get(slot)
+            if name is not None:  # None: a retired slot awaiting its sweep
+                out[NodeId(name)] = Match(gpu=g, cpu=c, total=t, predicted=p)
+        return out
+
     async def nodes(self) -> list[NodeId]:
         members: set[bytes] = await self._call(
             "nodes",
             self._settings.deadline_s,
-            lambda: self._redis.smembers(self._nodes_key),  # type: ignore[arg-type,return-value]
+            lambda: self._redis.smembers(self.keys.nodes),  # type: ignore[arg-type,return-value]
         )
         return sorted(NodeId(m.decode()) for m in members)
 
@@ -254,34 +328,36 @@ class RedisIndex:
         """One round trip (a health check, and the benchmark's baseline)."""
         await self._call("ping", self._settings.deadline_s, self._redis.ping)
 
+    # -- retired slots ---------------------------------------------------------------------
+
     def _start_sweep(self) -> None:
         if self._sweep_task is None or self._sweep_task.done():
             self._sweep_task = asyncio.create_task(self.sweep(), name="residency-sweep")
             self._sweep_task.add_done_callback(_log_sweep)
 
     async def sweep(self, chunk: int = 500) -> int:
-        """Clear retired slots' bits from every block key, then free those slots.
+        """Scrub retired slots' entries from every block key, then free those slots.
 
         Scans the model's keys in chunks (each chunk one script call under the apply
         deadline). Returns the number of slots freed.
         """
+        k = self.keys
         members: set[bytes] = await self._call(
             "sweep",
             self._settings.deadline_s,
-            lambda: self._redis.smembers(self._retired),  # type: ignore[arg-type,return-value]
+            lambda: self._redis.smembers(k.retired),  # type: ignore[arg-type,return-value]
         )
         slots = sorted(int(m) for m in members)
         if not slots:
             return 0
-        mask = sum(1 << s for s in slots)
-        pattern = _glob_escape(self._prefix) + b"[rp]:*"
+        pattern = _glob_escape(k.tag.encode()) + b":[rp]:*"
         batch: list[bytes] = []
 
         async def scrub(keys: list[bytes]) -> None:
             await self._call(
                 "sweep",
                 self._settings.apply_deadline_s,
-                lambda: self._sweep(keys=keys, args=[mask, *slots]),
+                lambda: self._sweep(keys=keys, args=slots),
             )
 
         try:
@@ -297,7 +373,7 @@ class RedisIndex:
         await self._call(
             "sweep",
             self._settings.deadline_s,
-            lambda: self._redis.srem(self._retired, *slots),
+            lambda: self._free(keys=[k.retired, k.free], args=slots),
         )
         self.sweeps += 1
         logger.info("residency sweep freed node slots %s", slots)

@@ -25,14 +25,21 @@ def hasher() -> BlockHasher:
 
 
 def redis_index(
-    url: str, hasher: BlockHasher, deadline_s: float = 2.0, apply_deadline_s: float = 5.0
+    url: str,
+    hasher: BlockHasher,
+    deadline_s: float = 2.0,
+    apply_deadline_s: float = 5.0,
+    **extra: object,
 ) -> RedisIndex:
     """A RedisIndex in a namespace of its own; generous deadlines unless a test sets them."""
-    settings = RedisIndexSettings(
-        url=url,
-        namespace=f"t-{uuid.uuid4().hex[:8]}",
-        deadline_s=deadline_s,
-        apply_deadline_s=apply_deadline_s,
+    settings = RedisIndexSettings.model_validate(
+        {
+            "url": url,
+            "namespace": f"t-{uuid.uuid4().hex[:8]}",
+            "deadline_s": deadline_s,
+            "apply_deadline_s": apply_deadline_s,
+            **extra,
+        }
     )
     return RedisIndex(hasher, settings)
 
