@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 
 def _free_ports(n: int) -> list[int]:
     socks = []
@@ -91,3 +93,13 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 3-master cluster for the whole session (tests use namespaces of their own)."""
+    try:
+        with redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as url:
+            yield url
+    except RuntimeError as exc:
+        pytest.fail(str(exc))

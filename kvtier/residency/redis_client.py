@@ -54,7 +54,6 @@ def connect(
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 0),
-            cluster_error_retry_attempts=0,
             max_connections=max_connections,
         )
     return Redis.from_url(

@@ -5,7 +5,7 @@ residency value lists its holders' slots, so reading it costs its number of hold
 number of nodes: ``match`` over a thousand idle nodes costs what it costs over one.
 
 ``match`` reads residency and prediction values in chunks (a short first one, then up to
-``max_blocks_per_call`` blocks), one read-only script call each (``read``: the values, the Redis
+``max_blocks_per_read`` blocks), one read-only script call each (``read``: the values, the Redis
 clock, and the names of the slots the values mention; a slot that names no node is retired and
 ignored), and walks them here (:mod:`.redis_walk`); it stops reading at the first block that no
 node still matching holds or has predicted. Writes run as Lua scripts
@@ -14,10 +14,11 @@ operations), ``predict`` (speculative entries with a TTL), ``forget`` (retire a 
 ``sweep`` (scrub retired slots' entries before the slot is handed out again; in the background
 once ``SWEEP_AFTER_RETIRED`` slots are retired), ``free`` (hand swept slots back).
 
-Cost per call is bounded whatever the prompt: every script call names at most
-``max_blocks_per_call`` blocks; a longer prompt or batch is split into several calls, so a Redis
-server serves other clients between them (a script that runs stops every other client: the
-client's deadline cannot interrupt it). Hashes are checked before anything is sent.
+Cost per call is bounded whatever the prompt: every write names at most
+``max_blocks_per_call`` blocks and every read ``max_blocks_per_read``; a longer prompt or batch
+is split into several calls, so a Redis server serves other clients between them (a script
+that runs stops every other client, and the client's deadline cannot interrupt it). Hashes are
+checked before anything is sent.
 
 Every call runs under a deadline (``deadline_s``, or none when the caller bounds each call, as
 the router's store guard does; ``apply_deadline_s`` for writes from event feeds), with no
@@ -89,11 +90,17 @@ class RedisIndexSettings(BaseSettings):
         description="most node slots per model, live and retired together",
     )
     max_blocks_per_call: int = Field(
+        default=256,
+        ge=1,
+        le=8192,
+        description="most blocks one write script call names (apply, predict: bounds the time "
+        "one call holds Redis; longer prompts and batches take several calls)",
+    )
+    max_blocks_per_read: int = Field(
         default=512,
         ge=1,
         le=8192,
-        description="most blocks one script call or MGET names (bounds the time one call holds "
-        "Redis; longer prompts and batches take several calls)",
+        description="most blocks one match read names (reads cost less per block than writes)",
     )
 
 
@@ -152,6 +159,10 @@ class RedisIndex:
     @property
     def max_blocks_per_call(self) -> int:
         return self._settings.max_blocks_per_call
+
+    @property
+    def max_blocks_per_read(self) -> int:
+        return self._settings.max_blocks_per_read
 
     def translate_stats(self, node: NodeId) -> TranslateStats:
         """How ``node``'s events translated in this process since it was last forgotten."""
@@ -294,7 +305,7 @@ class RedisIndex:
 
     async def _match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
         k = self.keys
-        limit = self._settings.max_blocks_per_call
+        limit = self._settings.max_blocks_per_read
         walk: Walk | None = None
         names: dict[int, str] = {}
         start = 0
