@@ -1,32 +1,38 @@
 -- Apply translated residency operations of one node (one bounded chunk of a batch).
 -- KEYS[1] hash node -> slot   KEYS[2] hash slot -> node   KEYS[3] set of known nodes
 -- KEYS[4] set of retired slots   KEYS[5] set of free slots   KEYS[6] slots ever handed out
--- KEYS[7..] residency keys <tag>:r:<h> of the blocks the operations name, in order
--- ARGV[1] node; ARGV[2] most slots per model; then operations:
+-- KEYS[7] the node's engine-hash map   KEYS[8] its last applied sequence   KEYS[9] its lease
+-- KEYS[10..] residency keys <tag>:r:<h> of the blocks the operations name, in order
+-- ARGV[1] node; ARGV[2] most slots per model; ARGV[3] the writer ("" when no lease is used:
+-- otherwise the call is refused with NOTOWNER, writing nothing, unless the lease names it);
+-- then operations:
 --   "S", tier ("G"/"C"), n   -- the next n blocks became resident
 --   "R", tier, n             -- the next n blocks left the tier
 --   "C"                      -- cleared: the node's slot is retired (its entries are ignored
 --                               at once and scrubbed by a sweep before the slot is reused)
+--   "X"                      -- the engine-hash map is emptied
+--   "M", field, value        -- one engine-hash map entry set
+--   "D", field               -- one engine-hash map entry dropped
+--   "Q", seq                 -- the node's last applied batch
 -- Residency of block h (<tag>:r:h) is a string of 3-byte entries sorted by slot: the slot
 -- (2 bytes, big-endian) and its tiers (1 = GPU, 2 = CPU). A node gets a slot when it first
 -- stores (a swept free one, else a new one). Fails with NOSLOT, before writing anything, when
 -- it needs a slot and none is left.
 local band, bor, bnot = bit.band, bit.bor, bit.bnot
 local sub, byte, char, call = string.sub, string.byte, string.char, redis.call
-local node, max_slots = ARGV[1], tonumber(ARGV[2])
+local node, max_slots, writer = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local WIDTH = {S = 3, R = 3, C = 1, X = 1, M = 3, D = 2, Q = 2}
+if writer ~= '' and call('GET', KEYS[9]) ~= writer then
+  return redis.error_reply('NOTOWNER another replica writes the events of ' .. node)
+end
 local slot = tonumber(call('HGET', KEYS[1], node))
 local has, need = slot ~= nil, false
-local i = 3
+local i = 4
 while i <= #ARGV do
-  if ARGV[i] == 'C' then
-    has = false
-    i = i + 1
-  else
-    if ARGV[i] == 'S' and not has then
-      need, has = true, true
-    end
-    i = i + 3
-  end
+  local op = ARGV[i]
+  if op == 'C' then has = false end
+  if op == 'S' and not has then need, has = true, true end
+  i = i + WIDTH[op]
 end
 if need and call('SCARD', KEYS[5]) == 0 and (tonumber(call('GET', KEYS[6])) or 0) >= max_slots then
   return redis.error_reply('NOSLOT no free node slot; retired slots need a sweep')
@@ -55,8 +61,8 @@ local function update(key, ss, tb, add)
   if nv == '' then call('DEL', key) else call('SET', key, nv) end
 end
 
-local k = 7
-i = 3
+local k = 10
+i = 4
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'C' then
@@ -66,7 +72,14 @@ while i <= #ARGV do
       call('HDEL', KEYS[2], slot)
       slot = nil
     end
-    i = i + 1
+  elseif op == 'X' then
+    call('DEL', KEYS[7])
+  elseif op == 'M' then
+    call('HSET', KEYS[7], ARGV[i + 1], ARGV[i + 2])
+  elseif op == 'D' then
+    call('HDEL', KEYS[7], ARGV[i + 1])
+  elseif op == 'Q' then
+    call('SET', KEYS[8], ARGV[i + 1])
   else
     local n = tonumber(ARGV[i + 2])
     if op == 'S' and not slot then
@@ -81,7 +94,7 @@ while i <= #ARGV do
       for j = k, k + n - 1 do update(KEYS[j], ss, tb, add) end
     end
     k = k + n
-    i = i + 3
   end
+  i = i + WIDTH[op]
 end
 return slot

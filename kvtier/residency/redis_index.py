@@ -42,10 +42,17 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from kvtier.errors import ResidencyUnavailable
-from kvtier.events.types import EventBatch, Medium
+from kvtier.events.types import BlockRemoved, BlockStored, EngineBlockHash, EventBatch, Medium
 from kvtier.keys import BLOCK_HASH_BYTES, BlockHash, BlockHasher
 from kvtier.residency.redis_client import RedisClient, bounded, connect
-from kvtier.residency.redis_layout import MAX_SLOTS, ModelKeys
+from kvtier.residency.redis_layout import (
+    MAX_SLOTS,
+    ModelKeys,
+    emap_value,
+    engine_field,
+    parse_emap_value,
+    parse_engine_field,
+)
 from kvtier.residency.redis_walk import Walk
 from kvtier.residency.translate import (
     ClearOp,
@@ -149,10 +156,20 @@ class RedisIndex:
         self._sweep = self._redis.register_script(_lua("sweep.lua"))
         self._free = self._redis.register_script(_lua("free.lua"))
         self._read = self._redis.register_script(_lua("read.lua"))
+        self._lease = self._redis.register_script(_lua("lease.lua"))
         self._maps: dict[NodeId, EngineHashMap] = {}
         self._resync: set[NodeId] = set()
+        """Nodes whose next apply rewrites them whole (an earlier write may be lost)."""
+        self._wipe: set[NodeId] = set()
+        """Nodes whose forget or clear may not have reached Redis: their rewrite starts from
+        this replica's map alone."""
+        self._dropped: dict[NodeId, set[bytes]] = {}
+        """Engine-hash map fields whose drop may not have reached Redis, per node."""
         self._sweep_task: asyncio.Task[int] | None = None
         self.sweeps = 0
+        self.writer: str | None = None
+        """This replica's name when it writes event streams under leases (apply is then
+        refused unless it holds the node's lease); None: no leases (one proxy)."""
         self.calls = 0
         """Script calls and MGETs sent (a test counts chunks with it)."""
 
@@ -194,22 +211,25 @@ class RedisIndex:
     # -- writes ----------------------------------------------------------------------------
 
     def _apply_calls(
-        self, node: NodeId, ops: Sequence[ResidencyOp]
+        self, node: NodeId, ops: Sequence[ResidencyOp], tail: Sequence[list[Any]]
     ) -> list[tuple[Any, list[bytes], list[Any]]]:
-        """``ops`` as apply.lua calls of at most ``max_blocks_per_call`` blocks each."""
+        """``ops`` then ``tail`` (engine-hash map and sequence operations) as apply.lua calls
+        of at most ``max_blocks_per_call`` blocks or map entries each."""
         limit = self._settings.max_blocks_per_call
-        head: list[Any] = [node, self._settings.max_node_slots]
+        k = self.keys
+        fixed = [*k.meta, k.emap(node), k.seq(node), k.lease(node)]
+        head: list[Any] = [node, self._settings.max_node_slots, self.writer or ""]
         calls: list[tuple[Any, list[bytes], list[Any]]] = []
         keys: list[bytes] = []
         args: list[Any] = []
+        used = 0
 
         def flush() -> None:
-            nonlocal keys, args
+            nonlocal keys, args, used
             if args or not calls:  # an empty batch still makes the node known
-                calls.append((self._apply, self.keys.meta + keys, head + args))
-            keys, args = [], []
+                calls.append((self._apply, fixed + keys, head + args))
+            keys, args, used = [], [], 0
 
-        r = self.keys.r
         for op in ops:
             if isinstance(op, ClearOp):
                 args.append(b"C")
@@ -219,46 +239,139 @@ class RedisIndex:
             hashes = op.hashes
             start = 0
             while start < len(hashes):
-                room = limit - len(keys)
-                if room == 0:
+                if used == limit:
                     flush()
-                    continue
-                part = hashes[start : start + room]
-                keys += [r + h for h in part]
+                part = hashes[start : start + limit - used]
+                keys += [k.r + h for h in part]
                 args += [kind, _TIER[op.medium], len(part)]
                 start += len(part)
+                used += len(part)
+        for extra in tail:
+            if used == limit:
+                flush()
+            args += extra
+            used += 1
         flush()
         return calls
 
-    def _ops_for(self, node: NodeId, batch: object) -> list[ResidencyOp]:
+    async def _translate(
+        self, node: NodeId, batch: object
+    ) -> tuple[list[ResidencyOp], list[list[Any]]]:
+        """Residency operations and engine-hash map writes for ``batch``. Engine hashes this
+        replica's map lacks are read from the shared map first (a replica that took over the
+        node's stream resolves removals of blocks another replica stored)."""
         if not isinstance(batch, EventBatch):
             raise TypeError(f"expected an EventBatch, got {type(batch).__name__}")
         emap = self._maps.get(node)
         if emap is None:
             emap = self._maps[node] = EngineHashMap(self._hasher, self._settings.group_idx)
-        ops = emap.translate(batch)
+        try:
+            if node in self._resync:
+                await self._merge_shared_map(node, emap)
+            else:
+                await self._load_unknown(node, emap, batch)
+        except ResidencyUnavailable:
+            emap.translate(batch)  # not lost: the resync rewrites it
+            raise
         if node in self._resync:
-            ops = [ClearOp(), *emap.snapshot()]
-        return ops
+            emap.translate(batch)
+            tail: list[list[Any]] = [[b"X"]]
+            tail += [[b"M", engine_field(h), emap_value(m, hs)] for h, m, hs in emap.entries()]
+            return [ClearOp(), *emap.snapshot()], tail
+        ops = emap.translate(batch)
+        tail = []
+        touched: dict[EngineBlockHash, None] = {}
+        for event in batch.events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                touched.update(dict.fromkeys(event.block_hashes))
+            else:
+                tail = [[b"X"]]
+        for h in touched:
+            entry = emap.entry(h)
+            if entry is None:
+                tail.append([b"D", engine_field(h)])
+            else:
+                tail.append([b"M", engine_field(h), emap_value(*entry)])
+        return ops, tail
 
-    async def apply(self, node: NodeId, batch: object) -> None:
-        await self.apply_many([(node, batch)])
+    async def _merge_shared_map(self, node: NodeId, emap: EngineHashMap) -> None:
+        """Before a resync: entries another replica wrote that this one lacks (not those it
+        dropped itself in a write that failed, and none after a failed forget or clear)."""
+        if node in self._wipe:
+            return
+        shared: dict[bytes, bytes] = await self._call(
+            "apply",
+            self._settings.apply_deadline_s,
+            lambda: self._redis.hgetall(self.keys.emap(node)),  # type: ignore[arg-type,return-value]
+        )
+        dropped = self._dropped.get(node, set())
+        for field, value in shared.items():
+            h = parse_engine_field(field)
+            if field not in dropped and emap.entry(h) is None:
+                emap.load(h, *parse_emap_value(value))
+
+    async def _load_unknown(self, node: NodeId, emap: EngineHashMap, batch: EventBatch) -> None:
+        unknown = sorted(emap.unknown(batch), key=repr)
+        if not unknown:
+            return
+        fields = [engine_field(h) for h in unknown]
+        got: list[Any] = await self._call(
+            "apply",
+            self._settings.apply_deadline_s,
+            lambda: self._redis.hmget(self.keys.emap(node), fields),
+        )
+        for h, value in zip(unknown, got, strict=True):
+            if value:
+                emap.load(h, *parse_emap_value(value))
+
+    async def apply(self, node: NodeId, batch: object, *, seq: int | None = None) -> None:
+        """Apply one batch; ``seq`` (its sequence number on the node's stream) is recorded
+        so a replica taking the stream over replays from the next one."""
+        await self._apply_items([(node, batch, seq)])
 
     async def apply_many(self, items: Sequence[tuple[NodeId, object]]) -> None:
         """Apply batches in order (pipelined on a single node; bounded script calls)."""
+        await self._apply_items([(node, b, None) for node, b in items])
+
+    async def _apply_items(self, items: Sequence[tuple[NodeId, object, int | None]]) -> None:
         calls: list[tuple[Any, list[bytes], list[Any]]] = []
-        for node, b in items:
-            calls += self._apply_calls(node, self._ops_for(node, b))
-        touched = {node for node, _ in items}
-        if calls:
-            try:
-                await self._call(
-                    "apply", self._settings.apply_deadline_s, lambda: self._scripts(calls)
-                )
-            except ResidencyUnavailable:
-                self._resync |= touched
-                raise
+        tails: list[tuple[NodeId, list[list[Any]]]] = []
+        touched = {node for node, _, _ in items}
+        try:
+            for node, b, seq in items:
+                ops, tail = await self._translate(node, b)
+                tails.append((node, tail))
+                if seq is not None:
+                    tail.append([b"Q", seq])
+                calls += self._apply_calls(node, ops, tail)
+            await self._call("apply", self._settings.apply_deadline_s, lambda: self._scripts(calls))
+        except ResidencyUnavailable:
+            self._resync |= touched
+            for node, tail in tails:  # what the shared map missed, for the resync's merge
+                for extra in tail:
+                    if extra[0] == b"X":
+                        self._wipe.add(node)
+                    elif extra[0] == b"D":
+                        self._dropped.setdefault(node, set()).add(extra[1])
+            raise
         self._resync -= touched
+        self._wipe -= touched
+        for node in touched:
+            self._dropped.pop(node, None)
+
+    async def lease(self, node: NodeId, *, take: bool, ttl_s: float) -> tuple[bool, int]:
+        """Take (or renew) this index's writer lease on ``node``'s event stream, or drop it.
+        Returns whether it is held now and the node's last applied sequence (-1: none)."""
+        if self.writer is None:
+            raise ValueError("a lease needs a writer name (RedisIndex.writer)")
+        k = self.keys
+        args = [b"take" if take else b"drop", self.writer, max(1, round(ttl_s * 1000))]
+        held, seq = await self._call(
+            "lease",
+            self._settings.deadline_s,
+            lambda: self._lease(keys=[k.lease(node), k.seq(node)], args=args),
+        )
+        return bool(held), int(seq)
 
     async def predict(self, node: NodeId, hashes: Sequence[BlockHash], ttl_s: float) -> None:
         if ttl_s <= 0:
@@ -285,13 +398,18 @@ class RedisIndex:
         apply clears what Redis still holds."""
         self._maps.pop(node, None)
         self._resync.add(node)
+        self._wipe.add(node)
         k = self.keys
         retired = await self._call(
             "forget",
             self._settings.deadline_s,
-            lambda: self._forget(keys=[k.slots, k.names, k.nodes, k.retired], args=[node]),
+            lambda: self._forget(
+                keys=[k.slots, k.names, k.nodes, k.retired, k.emap(node), k.seq(node)],
+                args=[node],
+            ),
         )
         self._resync.discard(node)
+        self._wipe.discard(node)
         if int(retired) >= self.SWEEP_AFTER_RETIRED:
             self._start_sweep()
 

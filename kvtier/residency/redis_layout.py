@@ -18,6 +18,12 @@ key                        type    value
                                    slot (2 bytes, big-endian), tiers (1 GPU, 2 CPU)
 ``{t}:p:<h>``              string  predictions of ``h``: 16-byte entries: slot (2 bytes), expiry
                                    (14 ASCII digits, ms on the Redis clock)
+``{t}:emap:<node>``        hash    the node's engine-hash map: engine hash (``i<int>`` or
+                                   ``b<bytes>``) → media mask (1 byte) + its router hashes, so
+                                   whichever replica writes the node's events next resolves
+                                   removals of blocks stored before it took over
+``{t}:seq:<node>``         string  sequence number of the node's last applied event batch
+``{t}:lease:<node>``       string  the replica that writes the node's events (with a TTL)
 =========================  ======  ===========================================================
 
 A value's cost to read is its number of holders, never the number of nodes of the model.
@@ -25,8 +31,11 @@ A value's cost to read is its number of holders, never the number of nodes of th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.events.types import EngineBlockHash
+from kvtier.keys import BLOCK_HASH_BYTES, BlockHash
 from kvtier.residency.redis_client import hash_tag
 
 MAX_SLOTS = 1 << 16
@@ -75,6 +84,33 @@ class ModelKeys:
     def meta(self) -> list[bytes]:
         """``KEYS[1..6]`` of apply.lua and predict.lua."""
         return [self.slots, self.names, self.nodes, self.retired, self.free, self.next]
+
+    def emap(self, node: str) -> bytes:
+        return f"{self.tag}:emap:{node}".encode()
+
+    def seq(self, node: str) -> bytes:
+        return f"{self.tag}:seq:{node}".encode()
+
+    def lease(self, node: str) -> bytes:
+        return f"{self.tag}:lease:{node}".encode()
+
+
+def engine_field(h: EngineBlockHash) -> bytes:
+    """An engine hash as a field of the engine-hash map (ints and bytes never collide)."""
+    return b"b" + h if isinstance(h, bytes) else b"i%d" % h
+
+
+def parse_engine_field(field: bytes) -> EngineBlockHash:
+    return field[1:] if field[:1] == b"b" else int(field[1:])
+
+
+def emap_value(mask: int, hashes: Sequence[BlockHash]) -> bytes:
+    return bytes((mask,)) + b"".join(hashes)
+
+
+def parse_emap_value(value: bytes) -> tuple[int, tuple[BlockHash, ...]]:
+    n = BLOCK_HASH_BYTES
+    return value[0], tuple(BlockHash(value[i : i + n]) for i in range(1, len(value), n))
 
 
 def holders(value: bytes | None) -> dict[int, int]:
