@@ -368,7 +368,7 @@ class RedisIndex:
         args = [b"take" if take else b"drop", self.writer, max(1, round(ttl_s * 1000))]
         held, seq = await self._call(
             "lease",
-            self._settings.deadline_s,
+            self._settings.apply_deadline_s,  # a background call, like apply
             lambda: self._lease(keys=[k.lease(node), k.seq(node)], args=args),
         )
         return bool(held), int(seq)

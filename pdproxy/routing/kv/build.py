@@ -95,6 +95,7 @@ def build_state(
     from pdproxy.routing.kv.shared_load import RedisLoad
     from pdproxy.routing.kv.shared_state import SharedState
     from pdproxy.routing.kv.store_guard import BreakerState, StoreGuard
+    from pdproxy.routing.kv.stream_leases import StreamLeases
 
     deadline = settings.redis_deadline_s
     client = connect(
@@ -123,7 +124,8 @@ def build_state(
         cooldown_s=settings.breaker_cooldown_s,
         on_state=on_state,
     )
-    return SharedState(index, load, guard, heartbeat_s=settings.replica_ttl_s / 5)
+    leases = StreamLeases(index, load.replica, settings.event_lease_ttl_s)
+    return SharedState(index, load, guard, heartbeat_s=settings.replica_ttl_s / 5, leases=leases)
 
 
 def _with_backend_replay(

@@ -75,6 +75,7 @@ class KvRouter:
             metrics.event_apply_errors.inc,
             shared=state.shared,
             curve=settings.events_curve,
+            leases=state.leases,
         )
         self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -82,6 +83,7 @@ class KvRouter:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.feeds.start()
         for node, endpoint in sorted(self.settings.events.items()):
             await self.feeds.subscribe(node, endpoint, self.settings.replay.get(node))
         await self.state.start()

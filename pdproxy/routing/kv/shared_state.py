@@ -6,7 +6,8 @@ Residency and predictions live in a :class:`~kvtier.residency.redis_index.RedisI
 store fails, :meth:`SharedState.observe` answers with this replica's own load and no matches
 (``source="fallback"``), so the decision still answers. A heartbeat keeps this replica's load
 counted and rewrites it from the local view (healing charges lost while Redis was away); the
-first successful call after an outage triggers one at once.
+first successful call after an outage triggers one at once. Event streams are written by one
+replica each, under :class:`~pdproxy.routing.kv.stream_leases.StreamLeases`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pdproxy.routing.kv.load import LoadDelta, MemoryLoad, NodeLoad
 from pdproxy.routing.kv.shared_load import RedisLoad
 from pdproxy.routing.kv.state import Observation, Prediction
 from pdproxy.routing.kv.store_guard import StoreGuard
+from pdproxy.routing.kv.stream_leases import StreamLeases
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +43,10 @@ class SharedState:
         guard: StoreGuard,
         *,
         heartbeat_s: float,
+        leases: StreamLeases | None = None,
     ) -> None:
         self._index = index
+        self._leases = leases
         self._load = load
         self._guard = guard
         self._local = MemoryLoad()
@@ -66,6 +70,10 @@ class SharedState:
     @property
     def breaker_state(self) -> BreakerState:
         return self._guard.state
+
+    @property
+    def leases(self) -> StreamLeases | None:
+        return self._leases
 
     async def _store(self, fn: Callable[[], Awaitable[T]], what: str) -> T:
         return await self._guard.call(fn, what)

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.keys import BlockHash
 from kvtier.residency.types import Match, NodeId, ResidencyIndex
 from pdproxy.breaker import BreakerState
 from pdproxy.routing.kv.load import LoadDelta, MemoryLoad, NodeLoad
+
+if TYPE_CHECKING:
+    from pdproxy.routing.kv.stream_leases import StreamLeases
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,11 @@ class RouterState(Protocol):
 
     @property
     def breaker_state(self) -> BreakerState: ...
+
+    @property
+    def leases(self) -> StreamLeases | None:
+        """Which worker event streams this replica writes (shared state); None: all of them."""
+        ...
 
     async def start(self) -> None: ...
 
@@ -103,6 +111,10 @@ class LocalState:
     @property
     def breaker_state(self) -> BreakerState:
         return BreakerState.CLOSED
+
+    @property
+    def leases(self) -> StreamLeases | None:
+        return None
 
     async def start(self) -> None:
         return None

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvtier.events import EventPublisher
+from kvtier.events import EventBatch, EventPublisher
 from kvtier.residency.types import NodeId
 from pdproxy.routing.base import RequestOutcome
 from pdproxy.routing.kv.build import build_kv_router
@@ -26,6 +26,15 @@ pytestmark = pytest.mark.redis
 def settings_for(url: str, **extra: object) -> KvRouterSettings:
     base = {"model_seed": SEED, "block_size": BS, "index_url": url, "redis_deadline_s": 0.05}
     return KvRouterSettings.model_validate({**base, **extra})
+
+
+async def write_events(router: KvRouter, node: NodeId, batch: EventBatch) -> None:
+    """Apply ``batch`` as the writer of ``node``'s stream (taking its lease first)."""
+    leases = router.state.leases
+    assert leases is not None
+    await leases.take(node)
+    assert leases.holds(node)
+    await leases.apply(node, batch, seq=0)
 
 
 @pytest.fixture
@@ -52,7 +61,7 @@ async def test_two_replicas_make_the_same_choice_and_share_load(
     await b.start()
     producers, consumers = pool(3, 2)
     prefix = prompt_text(1)
-    await a.state.index.apply(NodeId("p2"), stored(prefix))  # events applied by one replica
+    await write_events(a, NodeId("p2"), stored(prefix))  # events applied by one replica
     da = await a.route(text_request(prefix + "q1"), producers, consumers)
     assert da.explain["index"] == "redis"
     assert da.producers[0].name == "p2" and da.reason == "kv-prefix"
@@ -104,7 +113,7 @@ async def test_redis_killed_mid_run_falls_back_and_recovers(
     await router.start()
     producers, consumers = pool(2, 2)
     prefix = prompt_text(5)
-    await router.state.index.apply(NodeId("p1"), stored(prefix))
+    await write_events(router, NodeId("p1"), stored(prefix))
     sources: list[str] = []
     slowest_after_kill = 0.0
     killed_at: float | None = None
@@ -147,7 +156,7 @@ async def test_redis_killed_mid_run_falls_back_and_recovers(
     assert router.breaker_state is BreakerState.CLOSED
     assert router.metrics.registry.get_sample_value("pdproxy_kv_router_shared_state_up") == 1
     # Residency rebuilt from events after the restart.
-    await router.state.index.apply(NodeId("p1"), stored(prefix))
+    await write_events(router, NodeId("p1"), stored(prefix))
     d = await router.route(text_request(prefix + "again"), producers, consumers)
     assert d.producers[0].name == "p1" and d.reason == "kv-prefix"
 
