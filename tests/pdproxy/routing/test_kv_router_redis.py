@@ -17,10 +17,12 @@ from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.store_guard import BreakerState
 from tests.conftest import RedisServer
+from tests.redis_cluster import redis_cluster_url
 
 from .kv_helpers import BS, SEED, pool, prompt_text, stored, text_request
 
 pytestmark = pytest.mark.redis
+__all__ = ["redis_cluster_url"]  # the session's cluster fixture
 
 
 def settings_for(url: str, **extra: object) -> KvRouterSettings:
@@ -211,3 +213,31 @@ async def test_late_replica_joining_events_keeps_the_shared_state(
             await asyncio.sleep(0.02)
         d = await late.route(text_request(prefix + "?"), producers, consumers)
         assert d.producers[0].name == "p1" and d.reason == "kv-prefix"
+
+
+async def test_two_replicas_share_state_over_a_redis_cluster(
+    redis_cluster_url: str, make_router: Callable[[KvRouterSettings], KvRouter]
+) -> None:
+    """The same sharing over a real 3-master Redis Cluster (``redis+cluster://``)."""
+    # A generous deadline: a cluster client discovers the slots on its first call.
+    cluster = settings_for(redis_cluster_url, model_seed="clu}ster{", redis_deadline_s=1.0)
+    a, b = make_router(cluster), make_router(cluster)
+    await a.start()
+    await b.start()
+    producers, consumers = pool(3, 2)
+    prefix = prompt_text(11)
+    await write_events(a, NodeId("p2"), stored(prefix, seed="clu}ster{"))
+    da = await a.route(text_request(prefix + "q1"), producers, consumers)
+    assert da.explain["index"] == "redis"
+    assert da.producers[0].name == "p2" and da.reason == "kv-prefix"
+    # b sees a's residency and prediction, and a's load.
+    hashes = b.hasher.hash_tokens(list(prefix.encode()))
+    seen = await b.state.observe(hashes, ["p2", da.consumers[0].name])
+    assert seen.source == "redis" and seen.matches is not None
+    assert seen.matches[NodeId("p2")].total == len(prefix) // BS
+    assert seen.matches[NodeId(da.consumers[0].name)].predicted == len(prefix) // BS
+    assert seen.loads["p2"].in_flight == 1
+    db = await b.route(text_request(prefix + "q2"), producers, consumers)
+    assert db.explain["index"] == "redis"
+    await a.finished(da, RequestOutcome(None, None, ok=True))
+    await b.finished(db, RequestOutcome(None, None, ok=True))
