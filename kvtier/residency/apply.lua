@@ -1,8 +1,9 @@
 -- Apply translated residency operations of one node (one bounded chunk of a batch).
 -- KEYS[1] hash node -> slot   KEYS[2] hash slot -> node   KEYS[3] set of known nodes
 -- KEYS[4] set of retired slots   KEYS[5] set of free slots   KEYS[6] slots ever handed out
--- KEYS[7] the node's engine-hash map   KEYS[8] its last applied sequence   KEYS[9] its lease
--- KEYS[10..] residency keys <tag>:r:<h> of the blocks the operations name, in order
+-- KEYS[7] names epoch (bumped when a slot is retired)   KEYS[8] the node's engine-hash map
+-- KEYS[9] its last applied sequence   KEYS[10] its lease
+-- KEYS[11..] residency keys <tag>:r:<h> of the blocks the operations name, in order
 -- ARGV[1] node; ARGV[2] most slots per model; ARGV[3] the writer ("" when no lease is used:
 -- otherwise the call is refused with NOTOWNER, writing nothing, unless the lease names it);
 -- then operations:
@@ -14,15 +15,14 @@
 --   "M", field, value        -- one engine-hash map entry set
 --   "D", field               -- one engine-hash map entry dropped
 --   "Q", seq                 -- the node's last applied batch
--- Residency of block h (<tag>:r:h) is a string of 3-byte entries sorted by slot: the slot
--- (2 bytes, big-endian) and its tiers (1 = GPU, 2 = CPU). A node gets a slot when it first
+-- Residency of block h (<tag>:r:h) is a bitmap: bit 2*slot set while the slot holds it on GPU,
+-- bit 2*slot+1 on CPU (SETBIT offsets). A node gets a slot when it first
 -- stores (a swept free one, else a new one). Fails with NOSLOT, before writing anything, when
 -- it needs a slot and none is left.
-local band, bor, bnot = bit.band, bit.bor, bit.bnot
-local sub, byte, char, call = string.sub, string.byte, string.char, redis.call
+local call = redis.call
 local node, max_slots, writer = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local WIDTH = {S = 3, R = 3, C = 1, X = 1, M = 3, D = 2, Q = 2}
-if writer ~= '' and call('GET', KEYS[9]) ~= writer then
+if writer ~= '' and call('GET', KEYS[10]) ~= writer then
   return redis.error_reply('NOTOWNER another replica writes the events of ' .. node)
 end
 local slot = tonumber(call('HGET', KEYS[1], node))
@@ -39,29 +39,16 @@ if need and call('SCARD', KEYS[5]) == 0 and (tonumber(call('GET', KEYS[6])) or 0
 end
 call('SADD', KEYS[3], node)
 
--- Set (add) or clear (not add) tier bit tb of slot ss (2-byte string) in key's entries.
-local function update(key, ss, tb, add)
-  local v = call('GET', key) or ''
-  local n, j = #v, 1
-  while j <= n and sub(v, j, j + 1) < ss do j = j + 3 end
-  local nv
-  if j <= n and sub(v, j, j + 1) == ss then
-    local t = byte(v, j + 2)
-    local nt = add and bor(t, tb) or band(t, bnot(tb))
-    if nt == t then return end
-    if nt == 0 then
-      nv = sub(v, 1, j - 1) .. sub(v, j + 3)
-    else
-      nv = sub(v, 1, j + 1) .. char(nt) .. sub(v, j + 3)
-    end
-  else
-    if not add then return end
-    nv = sub(v, 1, j - 1) .. ss .. char(tb) .. sub(v, j)
+-- Set (add) or clear (not add) one bit; a bitmap left empty is deleted.
+local function update(key, offset, add)
+  if add then
+    call('SETBIT', key, offset, 1)
+  elseif call('SETBIT', key, offset, 0) == 1 and call('BITCOUNT', key) == 0 then
+    call('DEL', key)
   end
-  if nv == '' then call('DEL', key) else call('SET', key, nv) end
 end
 
-local k = 10
+local k = 11
 i = 4
 while i <= #ARGV do
   local op = ARGV[i]
@@ -70,16 +57,17 @@ while i <= #ARGV do
       call('SADD', KEYS[4], slot)
       call('HDEL', KEYS[1], node)
       call('HDEL', KEYS[2], slot)
+      call('INCR', KEYS[7])
       slot = nil
     end
   elseif op == 'X' then
-    call('DEL', KEYS[7])
+    call('DEL', KEYS[8])
   elseif op == 'M' then
-    call('HSET', KEYS[7], ARGV[i + 1], ARGV[i + 2])
+    call('HSET', KEYS[8], ARGV[i + 1], ARGV[i + 2])
   elseif op == 'D' then
-    call('HDEL', KEYS[7], ARGV[i + 1])
+    call('HDEL', KEYS[8], ARGV[i + 1])
   elseif op == 'Q' then
-    call('SET', KEYS[8], ARGV[i + 1])
+    call('SET', KEYS[9], ARGV[i + 1])
   else
     local n = tonumber(ARGV[i + 2])
     if op == 'S' and not slot then
@@ -88,10 +76,9 @@ while i <= #ARGV do
       call('HSET', KEYS[2], slot, node)
     end
     if slot then
-      local ss = char(math.floor(slot / 256), slot % 256)
-      local tb = ARGV[i + 1] == 'G' and 1 or 2
+      local offset = 2 * slot + (ARGV[i + 1] == 'G' and 0 or 1)
       local add = op == 'S'
-      for j = k, k + n - 1 do update(KEYS[j], ss, tb, add) end
+      for j = k, k + n - 1 do update(KEYS[j], offset, add) end
     end
     k = k + n
   end

@@ -1,7 +1,8 @@
 -- Speculative residency of one node, expiring after a TTL (server clock); one bounded chunk.
 -- KEYS[1] hash node -> slot   KEYS[2] hash slot -> node   KEYS[3] set of known nodes
 -- KEYS[4] set of retired slots (unused here)   KEYS[5] set of free slots
--- KEYS[6] slots ever handed out   KEYS[7] <tag>:plive   KEYS[8..] prediction keys <tag>:p:<h>
+-- KEYS[6] slots ever handed out   KEYS[7] names epoch (unused here)   KEYS[8] <tag>:plive
+-- KEYS[9..] prediction keys <tag>:p:<h>
 -- ARGV[1] node; ARGV[2] most slots per model; ARGV[3] ttl in ms.
 -- <tag>:p:h holds one 16-byte entry per predicting slot: the slot (2 bytes, big-endian) then
 -- its expiry (14 digits, ms on the Redis clock). The node's entry replaces its older one,
@@ -27,10 +28,10 @@ local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ss = char(math.floor(slot / 256), slot % 256)
 local entry = ss .. string.format('%014d', now + ttl)
-if call('PTTL', KEYS[7]) < ttl then
-  call('SET', KEYS[7], '1', 'PX', ttl)
+if call('PTTL', KEYS[8]) < ttl then
+  call('SET', KEYS[8], '1', 'PX', ttl)
 end
-for k = 8, #KEYS do
+for k = 9, #KEYS do
   local key = KEYS[k]
   local pttl = call('PTTL', key) -- -2 when new; never -1: p: keys always carry a TTL
   local old = call('GET', key)

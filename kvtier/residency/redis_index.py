@@ -1,14 +1,15 @@
 """Residency index in Redis, shared by several proxies (layout: :mod:`.redis_layout`).
 
 Each live node owns a slot (up to 65,536 per model, live and retired together). A block's
-residency value lists its holders' slots, so reading it costs its number of holders, never the
-number of nodes: ``match`` over a thousand idle nodes costs what it costs over one.
+residency value is a bitmap of its holders' slots per tier, which the match walk ANDs as
+integers: a thousand nodes cost a few hundred bytes per value, not a loop per node.
 
 ``match`` reads residency and prediction values in chunks (a short first one, then up to
 ``max_blocks_per_read`` blocks), one read-only script call each (``read``: the values, the Redis
-clock, and the names of the slots the values mention; a slot that names no node is retired and
-ignored), and walks them here (:mod:`.redis_walk`); it stops reading at the first block that no
-node still matching holds or has predicted. Writes run as Lua scripts
+clock and the names epoch), and walks them here (:mod:`.redis_walk`, integer ANDs); it stops
+reading at the first block that no node still matching holds or has predicted. Slot names are
+cached until the epoch moves (a slot was retired or handed back); a slot that names no node is
+retired and ignored. Writes run as Lua scripts
 (``*.lua`` beside this module) that declare every key they touch: ``apply`` (one node's translated
 operations), ``predict`` (speculative entries with a TTL), ``forget`` (retire a node's slot),
 ``sweep`` (scrub retired slots' entries before the slot is handed out again; in the background
@@ -167,6 +168,8 @@ class RedisIndex:
         """Engine-hash map fields whose drop may not have reached Redis, per node."""
         self._sweep_task: asyncio.Task[int] | None = None
         self.sweeps = 0
+        self._names_cache: dict[int, str | None] = {}
+        self._names_epoch = -1
         self.writer: str | None = None
         """This replica's name when it writes event streams under leases (apply is then
         refused unless it holds the node's lease); None: no leases (one proxy)."""
@@ -217,7 +220,7 @@ class RedisIndex:
         of at most ``max_blocks_per_call`` blocks or map entries each."""
         limit = self._settings.max_blocks_per_call
         k = self.keys
-        fixed = [*k.meta, k.emap(node), k.seq(node), k.lease(node)]
+        fixed = [*k.meta, k.emap(node), k.seq(node), k.lease(node)]  # KEYS[1..10]
         head: list[Any] = [node, self._settings.max_node_slots, self.writer or ""]
         calls: list[tuple[Any, list[bytes], list[Any]]] = []
         keys: list[bytes] = []
@@ -404,7 +407,7 @@ class RedisIndex:
             "forget",
             self._settings.deadline_s,
             lambda: self._forget(
-                keys=[k.slots, k.names, k.nodes, k.retired, k.emap(node), k.seq(node)],
+                keys=[k.slots, k.names, k.nodes, k.retired, k.emap(node), k.seq(node), k.epoch],
                 args=[node],
             ),
         )
@@ -425,25 +428,40 @@ class RedisIndex:
         k = self.keys
         limit = self._settings.max_blocks_per_read
         walk: Walk | None = None
-        names: dict[int, str] = {}
+        epoch = 0
         start = 0
         while start < len(hashes) and (walk is None or walk.alive):
             part = hashes[start : start + (FIRST_MATCH_CHUNK if start == 0 else limit)]
-            keys = [k.names, k.plive, *(k.r + h for h in part), *(k.p + h for h in part)]
+            keys = [k.epoch, k.plive, *(k.r + h for h in part), *(k.p + h for h in part)]
             self.calls += 1
-            now_ms, rv, pv, named = await self._read(keys=keys, args=[len(part)])
+            now_ms, epoch, rv, pv = await self._read(keys=keys, args=[len(part)])
             if walk is None:
                 walk = Walk(int(now_ms))
-            for i in range(0, len(named), 2):
-                names[int(named[i])] = named[i + 1].decode()
             walk.feed(rv, pv)
             start += len(part)
+        lengths = walk.result() if walk is not None else {}
+        names = await self._names(int(epoch), list(lengths))
         out: dict[NodeId, Match] = {}
-        for slot, (g, c, t, p) in (walk.result() if walk is not None else {}).items():
+        for slot, (g, c, t, p) in lengths.items():
             name = names.get(slot)
             if name is not None:  # None: a retired slot awaiting its sweep
                 out[NodeId(name)] = Match(gpu=g, cpu=c, total=t, predicted=p)
         return out
+
+    async def _names(self, epoch: int, slots: list[int]) -> dict[int, str | None]:
+        """Node names of ``slots``, cached while the names epoch stays (a retired or reused
+        slot bumps it); one HMGET for slots not cached."""
+        if epoch != self._names_epoch:
+            self._names_cache.clear()
+            self._names_epoch = epoch
+        cache = self._names_cache
+        missing = [s for s in slots if s not in cache]
+        if missing:
+            self.calls += 1
+            got: list[Any] = await self._redis.hmget(self.keys.names, missing)
+            for slot, name in zip(missing, got, strict=True):
+                cache[slot] = name.decode() if name is not None else None
+        return cache
 
     async def nodes(self) -> list[NodeId]:
         members: set[bytes] = await self._call(
@@ -502,7 +520,7 @@ class RedisIndex:
         await self._call(
             "sweep",
             self._settings.deadline_s,
-            lambda: self._free(keys=[k.retired, k.free], args=slots),
+            lambda: self._free(keys=[k.retired, k.free, k.epoch], args=slots),
         )
         self.sweeps += 1
         logger.info("residency sweep freed node slots %s", slots)

@@ -13,9 +13,11 @@ key                        type    value
 ``{t}:retired``            set     slots of forgotten/cleared nodes awaiting a sweep
 ``{t}:free``               set     swept slots, handed out again before new ones
 ``{t}:next``               string  slots ever handed out (the next new slot)
+``{t}:epoch``              string  bumped whenever a slot stops naming its node (readers cache
+                                   slot names and drop them when it changes)
 ``{t}:plive``              string  exists while any prediction may (TTL of the longest one)
-``{t}:r:<h>``              string  residency of block ``h``: 3-byte entries sorted by slot:
-                                   slot (2 bytes, big-endian), tiers (1 GPU, 2 CPU)
+``{t}:r:<h>``              string  residency of block ``h``: a bitmap, bit ``2*slot`` set while
+                                   the slot holds it on GPU, ``2*slot + 1`` on CPU (SETBIT)
 ``{t}:p:<h>``              string  predictions of ``h``: 16-byte entries: slot (2 bytes), expiry
                                    (14 ASCII digits, ms on the Redis clock)
 ``{t}:emap:<node>``        hash    the node's engine-hash map: engine hash (``i<int>`` or
@@ -26,7 +28,9 @@ key                        type    value
 ``{t}:lease:<node>``       string  the replica that writes the node's events (with a TTL)
 =========================  ======  ===========================================================
 
-A value's cost to read is its number of holders, never the number of nodes of the model.
+A residency value is a quarter byte per slot up to its highest holder: the match walk turns it
+into one integer (C-level) and ANDs it along the chain, so a thousand nodes cost bytes, not
+loops, and nodes that hold nothing add nothing to the values.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ MAX_SLOTS = 1 << 16
 """Slots per model (two bytes per entry): live and retired nodes together."""
 
 TIER_GPU, TIER_CPU = 1, 2
-RESIDENCY_ENTRY = 3
 PREDICTION_ENTRY = 16
+_REVERSED = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
+"""Byte → the byte with its bits reversed (SETBIT offset 0 is a byte's high bit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,7 @@ class ModelKeys:
     retired: bytes
     free: bytes
     next: bytes
+    epoch: bytes
     plive: bytes
     r: bytes
     """Prefix of residency keys (``r + h``)."""
@@ -75,6 +81,7 @@ class ModelKeys:
             t + b":retired",
             t + b":free",
             t + b":next",
+            t + b":epoch",
             t + b":plive",
             t + b":r:",
             t + b":p:",
@@ -82,8 +89,10 @@ class ModelKeys:
 
     @property
     def meta(self) -> list[bytes]:
-        """``KEYS[1..6]`` of apply.lua and predict.lua."""
-        return [self.slots, self.names, self.nodes, self.retired, self.free, self.next]
+        """``KEYS[1..7]`` of apply.lua and predict.lua."""
+        return [
+            self.slots, self.names, self.nodes, self.retired, self.free, self.next, self.epoch,
+        ]  # fmt: skip
 
     def emap(self, node: str) -> bytes:
         return f"{self.tag}:emap:{node}".encode()
@@ -113,13 +122,22 @@ def parse_emap_value(value: bytes) -> tuple[int, tuple[BlockHash, ...]]:
     return value[0], tuple(BlockHash(value[i : i + n]) for i in range(1, len(value), n))
 
 
+def residency_bits(value: bytes | None) -> int:
+    """A residency bitmap as an integer: bit ``2*slot`` GPU, ``2*slot + 1`` CPU."""
+    return int.from_bytes(value.translate(_REVERSED), "little") if value else 0
+
+
 def holders(value: bytes | None) -> dict[int, int]:
-    """Slot → tiers of one residency value."""
-    if not value:
-        return {}
-    return {
-        (value[i] << 8) | value[i + 1]: value[i + 2] for i in range(0, len(value), RESIDENCY_ENTRY)
-    }
+    """Slot → tiers (TIER_GPU | TIER_CPU) of one residency value."""
+    bits = residency_bits(value)
+    out: dict[int, int] = {}
+    while bits:
+        low = bits & -bits
+        pos = low.bit_length() - 1
+        slot = pos >> 1
+        out[slot] = out.get(slot, 0) | (TIER_CPU if pos & 1 else TIER_GPU)
+        bits ^= low
+    return out
 
 
 def predicted_slots(value: bytes | None, now_ms: int) -> set[int]:

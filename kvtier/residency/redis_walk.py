@@ -1,100 +1,108 @@
 """The match walk of the Redis index, over values read in chunks (pure; no I/O).
 
-Each slot still matching keeps four bits (GPU, CPU, any tier, any tier or predicted); a block
-clears the bits the slot does not have there, and a bit cleared at block ``pos`` makes ``pos``
-that tier's prefix length. The walk stops at the first block where no slot still matches. Only
-slots holding or predicting the first block take part, so idle nodes cost nothing, and a block
-whose values equal the previous block's changes nothing and is skipped unparsed.
+Like :class:`~kvtier.residency.memory.MemoryIndex`, the walk keeps four running ANDs of integer
+masks along the chain (GPU, CPU, any tier, any tier or predicted), with slot ``s`` at bit
+``2*s``; a bit that leaves a running AND at block ``pos`` makes ``pos`` that slot's prefix length
+in that tier. The first block sets the masks, so only slots holding or predicting it take part;
+the walk stops at the first block where no slot still matches. A block whose values equal the
+previous block's changes nothing and is skipped unparsed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.residency.redis_layout import TIER_CPU, TIER_GPU, holders, predicted_slots
+from kvtier.residency.redis_layout import predicted_slots, residency_bits
 
-_GPU, _CPU, _ANY, _SEEN = 1, 2, 4, 8
-_ALL = _GPU | _CPU | _ANY | _SEEN
+_EVEN: dict[int, int] = {}
+
+
+def _even(nbytes: int) -> int:
+    """Bits 0, 2, 4, ... of an ``nbytes``-byte value."""
+    mask = _EVEN.get(nbytes)
+    if mask is None:
+        mask = _EVEN[nbytes] = int.from_bytes(b"\x55" * nbytes, "little")
+    return mask
 
 
 class Walk:
-    """State of one match across chunks: feed values with :meth:`feed` until it returns False."""
+    """State of one match across chunks: :meth:`feed` values until :attr:`alive` is False."""
 
-    __slots__ = ("_live", "_now", "_prev", "lengths", "pos")
+    __slots__ = ("_acc", "_now", "_prev", "alive", "lengths", "pos")
 
     def __init__(self, now_ms: int) -> None:
         self._now = now_ms
-        self._live: dict[int, int] | None = None
-        """Slot → bits still matching; None before the first block."""
+        self._acc: list[int] | None = None
+        """Running ANDs: gpu, cpu, any, seen (slot s at bit 2s); None before the first block."""
         self._prev: tuple[bytes | None, bytes | None] | None = None
         self.pos = 0
+        self.alive = True
         self.lengths: dict[int, list[int]] = {}
-        """Slot → [gpu, cpu, total, predicted] prefix lengths found so far."""
-
-    @property
-    def alive(self) -> bool:
-        return self._live is None or bool(self._live)
-
-    @property
-    def slots(self) -> list[int]:
-        """Slots that matched at least one block (so far)."""
-        return list(self.lengths)
+        """Slot → [gpu, cpu, total, predicted] prefix lengths of slots that dropped out."""
 
     def feed(self, residency: Sequence[bytes | None], predictions: Sequence[bytes | None]) -> bool:
         """Walk the next blocks (``predictions`` empty when none may exist); True while some
         slot still matches after them."""
+        if not self.alive:
+            return False
         no_pred = not predictions
+        now = self._now
         for k, rv in enumerate(residency):
             pv = None if no_pred else predictions[k]
             if (rv, pv) == self._prev:
                 self.pos += 1
                 continue
             self._prev = (rv, pv)
-            if not self._step(holders(rv), predicted_slots(pv, self._now)):
-                self._finish()
-                return False
+            bits = residency_bits(rv)
+            even = _even(len(rv)) if rv else 0
+            g = bits & even
+            c = (bits >> 1) & even
+            a = g | c
+            s = a
+            if pv:
+                for slot in predicted_slots(pv, now):
+                    s |= 1 << (2 * slot)
+            acc = self._acc
+            if acc is None:
+                if not s:
+                    self.alive = False
+                    return False
+                self._acc = [g, c, a, s]
+                for slot in _slots(s):
+                    self.lengths[slot] = [0, 0, 0, 0]
+            else:
+                for i, new in enumerate((g, c, a, s)):
+                    old = acc[i]
+                    kept = old & new
+                    if kept != old:
+                        self._drop(old & ~kept, i)
+                        acc[i] = kept
+                if not acc[3]:
+                    self.alive = False
+                    return False
             self.pos += 1
         return True
 
-    def _step(self, held: dict[int, int], pred: set[int]) -> bool:
-        live = self._live
-        if live is None:
-            live = self._live = {s: _ALL for s in (*held, *pred)}
-            for s in live:
-                self.lengths[s] = [0, 0, 0, 0]
+    def _drop(self, gone: int, tier: int) -> None:
         pos = self.pos
-        for s, bits in list(live.items()):
-            tiers = held.get(s, 0)
-            have = _SEEN if tiers or s in pred else 0
-            if tiers:
-                have |= _ANY
-                if tiers & TIER_GPU:
-                    have |= _GPU
-                if tiers & TIER_CPU:
-                    have |= _CPU
-            new = bits & have
-            if new != bits:
-                self._drop(s, bits & ~new, pos)
-                if new:
-                    live[s] = new
-                else:
-                    del live[s]
-        return bool(live)
-
-    def _drop(self, slot: int, gone: int, pos: int) -> None:
-        row = self.lengths[slot]
-        for i, bit in enumerate((_GPU, _CPU, _ANY, _SEEN)):
-            if gone & bit:
-                row[i] = pos
-
-    def _finish(self) -> None:
-        """Slots still matching at the end hold everything walked."""
-        for s, bits in (self._live or {}).items():
-            self._drop(s, bits, self.pos)
-        if self._live:
-            self._live.clear()
+        for slot in _slots(gone):
+            self.lengths[slot][tier] = pos
 
     def result(self) -> dict[int, tuple[int, int, int, int]]:
         """Slot → (gpu, cpu, total, predicted) for slots that matched at least one block."""
-        self._finish()
+        acc = self._acc
+        if acc is not None:
+            for i in range(4):
+                self._drop(acc[i], i)
+                acc[i] = 0
         return {s: (g, c, t, p) for s, (g, c, t, p) in self.lengths.items() if p}
+
+
+def _slots(bits: int) -> list[int]:
+    """Slots of the set bits of a mask (bit 2s is slot s)."""
+    out = []
+    while bits:
+        low = bits & -bits
+        out.append((low.bit_length() - 1) >> 1)
+        bits ^= low
+    return out
