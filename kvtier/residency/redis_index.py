@@ -39,13 +39,20 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from kvtier.errors import ResidencyUnavailable
 from kvtier.events.types import BlockRemoved, BlockStored, EngineBlockHash, EventBatch, Medium
 from kvtier.keys import BLOCK_HASH_BYTES, BlockHash, BlockHasher
-from kvtier.residency.redis_client import RedisClient, bounded, connect
+from kvtier.residency.redis_client import (
+    RedisClient,
+    ScriptCall,
+    bounded,
+    connect,
+    run_scripts,
+)
 from kvtier.residency.redis_layout import (
     MAX_SLOTS,
     ModelKeys,
@@ -197,32 +204,27 @@ class RedisIndex:
                 self._start_sweep()
             raise
 
-    async def _scripts(self, calls: Sequence[tuple[Any, list[bytes], list[Any]]]) -> list[Any]:
-        """Run script calls in order: one pipelined round trip on a single node; one call
-        after another on a cluster (its client pipelines no scripts)."""
+    async def _scripts(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Run script calls in order: one packed round trip on a single node; one call after
+        another on a cluster (its client pipelines no scripts)."""
         self.calls += len(calls)
-        if len(calls) == 1:
-            script, keys, args = calls[0]
-            return [await script(keys=keys, args=args)]
         if self._cluster:
             return [await script(keys=keys, args=args) for script, keys, args in calls]
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for script, keys, args in calls:
-                await script(keys=keys, args=args, client=pipe)
-            return list(await pipe.execute())
+        assert isinstance(self._redis, Redis)
+        return await run_scripts(self._redis, calls)
 
     # -- writes ----------------------------------------------------------------------------
 
     def _apply_calls(
         self, node: NodeId, ops: Sequence[ResidencyOp], tail: Sequence[list[Any]]
-    ) -> list[tuple[Any, list[bytes], list[Any]]]:
+    ) -> list[ScriptCall]:
         """``ops`` then ``tail`` (engine-hash map and sequence operations) as apply.lua calls
         of at most ``max_blocks_per_call`` blocks or map entries each."""
         limit = self._settings.max_blocks_per_call
         k = self.keys
         fixed = [*k.meta, k.emap(node), k.seq(node), k.lease(node)]  # KEYS[1..10]
         head: list[Any] = [node, self._settings.max_node_slots, self.writer or ""]
-        calls: list[tuple[Any, list[bytes], list[Any]]] = []
+        calls: list[ScriptCall] = []
         keys: list[bytes] = []
         args: list[Any] = []
         used = 0
@@ -337,7 +339,7 @@ class RedisIndex:
         await self._apply_items([(node, b, None) for node, b in items])
 
     async def _apply_items(self, items: Sequence[tuple[NodeId, object, int | None]]) -> None:
-        calls: list[tuple[Any, list[bytes], list[Any]]] = []
+        calls: list[ScriptCall] = []
         tails: list[tuple[NodeId, list[list[Any]]]] = []
         touched = {node for node, _, _ in items}
         try:
@@ -386,7 +388,7 @@ class RedisIndex:
         limit = self._settings.max_blocks_per_call
         head = [*self.keys.meta, self.keys.plive]
         p = self.keys.p
-        calls = [
+        calls: list[ScriptCall] = [
             (
                 self._predict,
                 head + [p + h for h in hashes[i : i + limit]],
@@ -433,8 +435,7 @@ class RedisIndex:
         while start < len(hashes) and (walk is None or walk.alive):
             part = hashes[start : start + (FIRST_MATCH_CHUNK if start == 0 else limit)]
             keys = [k.epoch, k.plive, *(k.r + h for h in part), *(k.p + h for h in part)]
-            self.calls += 1
-            now_ms, epoch, rv, pv = await self._read(keys=keys, args=[len(part)])
+            now_ms, epoch, rv, pv = (await self._scripts([(self._read, keys, [len(part)])]))[0]
             if walk is None:
                 walk = Walk(int(now_ms))
             walk.feed(rv, pv)
