@@ -130,13 +130,16 @@ async def bench(args: argparse.Namespace, url: str) -> None:
         # Apply throughput: fresh documents, event_blocks per BlockStored, pipelined batches.
         n_docs = max(1, args.apply_blocks // args.blocks)
         per = args.event_blocks
-        batches: list[tuple[NodeId, EventBatch]] = []
+        per_doc: list[list[tuple[NodeId, EventBatch]]] = []
         for d in range(n_docs):
             doc = [rng.randrange(128_000) for _ in range(args.blocks * bs)]
             node = NodeId(f"node-{d % args.nodes}")
+            per_doc.append([])
             for start in range(0, args.blocks, per):
                 ev = stored(doc, start, min(start + per, args.blocks), bs, "GPU")
-                batches.append((node, EventBatch(0.0, (ev,))))
+                per_doc[-1].append((node, EventBatch(0.0, (ev,))))
+        # Interleaved as many workers publish at once (each worker's events stay in order).
+        batches = [b for step in zip(*per_doc, strict=True) for b in step]
         total_blocks = sum(_blocks(b) for _, b in batches)
         stop = time.monotonic() + args.time_limit / 4
         t0 = time.perf_counter()
