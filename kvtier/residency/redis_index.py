@@ -37,14 +37,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
 from typing import Any, TypeVar
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from kvtier.errors import ResidencyUnavailable
-from kvtier.events.types import BlockRemoved, BlockStored, EngineBlockHash, EventBatch, Medium
+from kvtier.events.types import Medium
 from kvtier.keys import BLOCK_HASH_BYTES, BlockHash, BlockHasher
 from kvtier.residency.redis_client import (
     RedisClient,
@@ -53,23 +51,21 @@ from kvtier.residency.redis_client import (
     connect,
     run_scripts,
 )
+from kvtier.residency.redis_emap import MapWrite, SharedEngineMaps
 from kvtier.residency.redis_layout import (
-    MAX_SLOTS,
     ModelKeys,
-    emap_value,
-    engine_field,
-    parse_emap_value,
-    parse_engine_field,
 )
+from kvtier.residency.redis_settings import RedisIndexSettings
 from kvtier.residency.redis_walk import Walk
 from kvtier.residency.translate import (
     ClearOp,
-    EngineHashMap,
     ResidencyOp,
     StoreOp,
     TranslateStats,
 )
 from kvtier.residency.types import Match, NodeId
+
+__all__ = ["FIRST_MATCH_CHUNK", "RedisIndex", "RedisIndexSettings", "check_hashes"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,46 +73,6 @@ T = TypeVar("T")
 _TIER = {Medium.GPU: b"G", Medium.CPU: b"C"}
 FIRST_MATCH_CHUNK = 64
 """Blocks read by a match's first MGET: most prompts that match nothing stop there."""
-
-
-class RedisIndexSettings(BaseSettings):
-    """Connection and deadlines of :class:`RedisIndex` (env prefix ``KVTIER_RESIDENCY_``)."""
-
-    model_config = SettingsConfigDict(env_prefix="KVTIER_RESIDENCY_")
-
-    url: str = Field(
-        default="redis://127.0.0.1:6379/0",
-        description="Redis URL; redis+cluster://host:port for a Redis Cluster",
-    )
-    namespace: str = Field(default="kvtier", description="first part of the per-model hash tag")
-    deadline_s: float | None = Field(
-        default=0.05,
-        gt=0,
-        description="deadline of match/predict/forget/nodes; None when the caller bounds each "
-        "call itself (the router's store guard)",
-    )
-    apply_deadline_s: float = Field(default=0.5, gt=0, description="deadline of one apply call")
-    max_connections: int = Field(default=64, gt=0, description="connection pool size")
-    group_idx: int = Field(default=0, ge=0, description="KV-cache group whose events are indexed")
-    max_node_slots: int = Field(
-        default=MAX_SLOTS,
-        ge=1,
-        le=MAX_SLOTS,
-        description="most node slots per model, live and retired together",
-    )
-    max_blocks_per_call: int = Field(
-        default=256,
-        ge=1,
-        le=8192,
-        description="most blocks one write script call names (apply, predict: bounds the time "
-        "one call holds Redis; longer prompts and batches take several calls)",
-    )
-    max_blocks_per_read: int = Field(
-        default=512,
-        ge=1,
-        le=8192,
-        description="most blocks one match read names (reads cost less per block than writes)",
-    )
 
 
 def _lua(name: str) -> str:
@@ -165,14 +121,13 @@ class RedisIndex:
         self._free = self._redis.register_script(_lua("free.lua"))
         self._read = self._redis.register_script(_lua("read.lua"))
         self._lease = self._redis.register_script(_lua("lease.lua"))
-        self._maps: dict[NodeId, EngineHashMap] = {}
-        self._resync: set[NodeId] = set()
-        """Nodes whose next apply rewrites them whole (an earlier write may be lost)."""
-        self._wipe: set[NodeId] = set()
-        """Nodes whose forget or clear may not have reached Redis: their rewrite starts from
-        this replica's map alone."""
-        self._dropped: dict[NodeId, set[bytes]] = {}
-        """Engine-hash map fields whose drop may not have reached Redis, per node."""
+        self._maps = SharedEngineMaps(
+            hasher,
+            settings.group_idx,
+            self._redis,
+            self.keys,
+            lambda fn: self._call("apply", settings.apply_deadline_s, fn),
+        )
         self._sweep_task: asyncio.Task[int] | None = None
         self.sweeps = 0
         self._names_cache: dict[int, str | None] = {}
@@ -193,8 +148,7 @@ class RedisIndex:
 
     def translate_stats(self, node: NodeId) -> TranslateStats:
         """How ``node``'s events translated in this process since it was last forgotten."""
-        m = self._maps.get(node)
-        return m.stats if m is not None else TranslateStats()
+        return self._maps.stats(node)
 
     async def _call(self, what: str, deadline: float | None, fn: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -259,76 +213,6 @@ class RedisIndex:
         flush()
         return calls
 
-    async def _translate(
-        self, node: NodeId, batch: object
-    ) -> tuple[list[ResidencyOp], list[list[Any]]]:
-        """Residency operations and engine-hash map writes for ``batch``. Engine hashes this
-        replica's map lacks are read from the shared map first (a replica that took over the
-        node's stream resolves removals of blocks another replica stored)."""
-        if not isinstance(batch, EventBatch):
-            raise TypeError(f"expected an EventBatch, got {type(batch).__name__}")
-        emap = self._maps.get(node)
-        if emap is None:
-            emap = self._maps[node] = EngineHashMap(self._hasher, self._settings.group_idx)
-        try:
-            if node in self._resync:
-                await self._merge_shared_map(node, emap)
-            else:
-                await self._load_unknown(node, emap, batch)
-        except ResidencyUnavailable:
-            emap.translate(batch)  # not lost: the resync rewrites it
-            raise
-        if node in self._resync:
-            emap.translate(batch)
-            tail: list[list[Any]] = [[b"X"]]
-            tail += [[b"M", engine_field(h), emap_value(m, hs)] for h, m, hs in emap.entries()]
-            return [ClearOp(), *emap.snapshot()], tail
-        ops = emap.translate(batch)
-        tail = []
-        touched: dict[EngineBlockHash, None] = {}
-        for event in batch.events:
-            if isinstance(event, (BlockStored, BlockRemoved)):
-                touched.update(dict.fromkeys(event.block_hashes))
-            else:
-                tail = [[b"X"]]
-        for h in touched:
-            entry = emap.entry(h)
-            if entry is None:
-                tail.append([b"D", engine_field(h)])
-            else:
-                tail.append([b"M", engine_field(h), emap_value(*entry)])
-        return ops, tail
-
-    async def _merge_shared_map(self, node: NodeId, emap: EngineHashMap) -> None:
-        """Before a resync: entries another replica wrote that this one lacks (not those it
-        dropped itself in a write that failed, and none after a failed forget or clear)."""
-        if node in self._wipe:
-            return
-        shared: dict[bytes, bytes] = await self._call(
-            "apply",
-            self._settings.apply_deadline_s,
-            lambda: self._redis.hgetall(self.keys.emap(node)),  # type: ignore[arg-type,return-value]
-        )
-        dropped = self._dropped.get(node, set())
-        for field, value in shared.items():
-            h = parse_engine_field(field)
-            if field not in dropped and emap.entry(h) is None:
-                emap.load(h, *parse_emap_value(value))
-
-    async def _load_unknown(self, node: NodeId, emap: EngineHashMap, batch: EventBatch) -> None:
-        unknown = sorted(emap.unknown(batch), key=repr)
-        if not unknown:
-            return
-        fields = [engine_field(h) for h in unknown]
-        got: list[Any] = await self._call(
-            "apply",
-            self._settings.apply_deadline_s,
-            lambda: self._redis.hmget(self.keys.emap(node), fields),
-        )
-        for h, value in zip(unknown, got, strict=True):
-            if value:
-                emap.load(h, *parse_emap_value(value))
-
     async def apply(self, node: NodeId, batch: object, *, seq: int | None = None) -> None:
         """Apply one batch; ``seq`` (its sequence number on the node's stream) is recorded
         so a replica taking the stream over replays from the next one."""
@@ -340,29 +224,20 @@ class RedisIndex:
 
     async def _apply_items(self, items: Sequence[tuple[NodeId, object, int | None]]) -> None:
         calls: list[ScriptCall] = []
-        tails: list[tuple[NodeId, list[list[Any]]]] = []
+        tails: list[tuple[NodeId, list[MapWrite]]] = []
         touched = {node for node, _, _ in items}
         try:
             for node, b, seq in items:
-                ops, tail = await self._translate(node, b)
+                ops, tail = await self._maps.translate(node, b)
                 tails.append((node, tail))
                 if seq is not None:
                     tail.append([b"Q", seq])
                 calls += self._apply_calls(node, ops, tail)
             await self._call("apply", self._settings.apply_deadline_s, lambda: self._scripts(calls))
         except ResidencyUnavailable:
-            self._resync |= touched
-            for node, tail in tails:  # what the shared map missed, for the resync's merge
-                for extra in tail:
-                    if extra[0] == b"X":
-                        self._wipe.add(node)
-                    elif extra[0] == b"D":
-                        self._dropped.setdefault(node, set()).add(extra[1])
+            self._maps.failed(touched, tails)
             raise
-        self._resync -= touched
-        self._wipe -= touched
-        for node in touched:
-            self._dropped.pop(node, None)
+        self._maps.written(touched)
 
     async def lease(self, node: NodeId, *, take: bool, ttl_s: float) -> tuple[bool, int]:
         """Take (or renew) this index's writer lease on ``node``'s event stream, or drop it.
@@ -401,9 +276,7 @@ class RedisIndex:
     async def forget(self, node: NodeId) -> None:
         """Drop ``node``. If Redis fails, the local map is dropped anyway and the node's next
         apply clears what Redis still holds."""
-        self._maps.pop(node, None)
-        self._resync.add(node)
-        self._wipe.add(node)
+        self._maps.forgetting(node)
         k = self.keys
         retired = await self._call(
             "forget",
@@ -413,8 +286,7 @@ class RedisIndex:
                 args=[node],
             ),
         )
-        self._resync.discard(node)
-        self._wipe.discard(node)
+        self._maps.forgotten(node)
         if int(retired) >= self.SWEEP_AFTER_RETIRED:
             self._start_sweep()
 
