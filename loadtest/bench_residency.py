@@ -3,8 +3,10 @@
     python -m loadtest.bench_residency [--nodes 8] [--blocks 512] [--repeat 2000]
                                        [--apply-blocks 200000] [--redis-url URL]
 
-Match: one 512-block prompt (8,192 tokens), 8 nodes each holding a random prefix of it (GPU,
-some also CPU, one with predictions). Apply: BlockStored events of ``--event-blocks`` blocks
+Match: one 512-block prompt (8,192 tokens), ``--nodes`` nodes each holding a random prefix of it
+(GPU, some also CPU, one with predictions). Apply: the events are spread over ``--nodes``
+simulated workers and applied by one writer (``--nodes 1024 --apply-blocks 524288``: the
+1,024-worker ingest), BlockStored events of ``--event-blocks`` blocks
 with token ids (the index rehashes them), ``--pipeline`` batches per Redis round trip.
 Baselines measured in the same run: a Redis PING round trip, and the same number of plain
 HSETs pipelined. Starts its own redis-server on a free port unless ``--redis-url`` is given.
@@ -128,24 +130,31 @@ async def bench(args: argparse.Namespace, url: str) -> None:
         # Apply throughput: fresh documents, event_blocks per BlockStored, pipelined batches.
         n_docs = max(1, args.apply_blocks // args.blocks)
         per = args.event_blocks
-        batches: list[tuple[NodeId, EventBatch]] = []
+        per_doc: list[list[tuple[NodeId, EventBatch]]] = []
         for d in range(n_docs):
             doc = [rng.randrange(128_000) for _ in range(args.blocks * bs)]
             node = NodeId(f"node-{d % args.nodes}")
+            per_doc.append([])
             for start in range(0, args.blocks, per):
                 ev = stored(doc, start, min(start + per, args.blocks), bs, "GPU")
-                batches.append((node, EventBatch(0.0, (ev,))))
+                per_doc[-1].append((node, EventBatch(0.0, (ev,))))
+        # Interleaved as many workers publish at once (each worker's events stay in order).
+        batches = [b for step in zip(*per_doc, strict=True) for b in step]
         total_blocks = sum(_blocks(b) for _, b in batches)
         stop = time.monotonic() + args.time_limit / 4
         t0 = time.perf_counter()
-        done = 0
+        done = events = 0
+        writers: set[NodeId] = set()
         for i in range(0, len(batches), args.pipeline):
             chunk = batches[i : i + args.pipeline]
             await redis_idx.apply_many(chunk)
             done += sum(_blocks(b) for _, b in chunk)
+            events += len(chunk)
+            writers.update(node for node, _ in chunk)
             if time.monotonic() > stop:
                 break
-        redis_rate = done / (time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        redis_rate = done / elapsed
         t0 = time.perf_counter()
         for node, b in batches:
             await memory.apply(node, b)
@@ -166,6 +175,11 @@ async def bench(args: argparse.Namespace, url: str) -> None:
             f"  {'RedisIndex.apply_many':40} {redis_rate:12,.0f} /s {redis_rate / hset_rate:6.2f}x"
         )
         print(f"  {'MemoryIndex.apply':40} {memory_rate:12,.0f} /s {memory_rate / hset_rate:6.2f}x")
+        workers = len(writers)
+        print(
+            f"  one writer, events from {workers} workers: {events / elapsed:,.0f} event "
+            f"batches/s into Redis ({per} blocks each)"
+        )
         for i in range(0, len(keys), 10_000):
             await raw.delete(*keys[i : i + 10_000])
     finally:

@@ -1,10 +1,12 @@
 """Benchmark of the KV-aware router (prints; asserts nothing).
 
-    python -m loadtest.bench_router [--decisions 2000] [--workload] [--redis-url URL]
-        [--kv-option local_prefill.max_suffix_tokens=0 ...]
+    python -m loadtest.bench_router [--decisions 2000] [--nodes 1024 [--all-candidates]]
+        [--workload] [--redis-url URL] [--kv-option local_prefill.max_suffix_tokens=0 ...]
 
-1. Decision time for an 8,192-token prompt over 8 nodes (4 producers + 4 consumers, each holding
-   a random prefix of the prompt): the router's ``decide`` (hash + match + score) and its whole
+1. Decision time for an 8,192-token prompt over 8 candidates (4 producers + 4 consumers, each
+   holding a random prefix of the prompt) among ``--nodes`` nodes in the index (one in eight of
+   the others holds a prefix of it too, the rest other prompts); ``--all-candidates`` ranks all
+   of them: the router's ``decide`` (hash + match + score) and its whole
    ``route`` (plus load charge and prediction writes), p50/p99, with the in-memory index and with
    Redis. Baseline measured in the same run: hashing alone, and one Redis PING round trip.
    Redis: ``--redis-url`` or a redis-server this benchmark starts on a free port and stops.
@@ -34,7 +36,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.events import BlockStored, EventBatch
-from kvtier.keys import BlockHasher
+from kvtier.keys import BlockHash, BlockHasher
+from kvtier.residency.redis_index import RedisIndex
 from kvtier.residency.types import NodeId
 from loadtest.redis_server import own_redis_server
 from pdproxy.routing.base import RequestOutcome, Role, RouteRequest
@@ -66,19 +69,46 @@ def _row(name: str, samples_ms: list[float], base_ms: float | None = None) -> st
     return f"  {name:<38} p50 {p50 * 1000:8.1f} µs   p99 {p99 * 1000:8.1f} µs{ratio}"
 
 
+async def _populate(
+    router: KvRouter,
+    hashes: list[BlockHash],
+    prompt: list[int],
+    names: list[str],
+    rng: random.Random,
+) -> None:
+    """Each node holds a random prefix of the prompt (one in eight of the nodes past the first
+    eight) or of a prompt of its own (the rest: idle for this prompt). Shared state: written
+    as each node's stream writer (its lease taken first)."""
+    leases = router.state.leases
+    for i, name in enumerate(names):
+        node = NodeId(name)
+        if i < 8 or i % 8 == 0:
+            tokens = prompt
+        else:
+            tokens = [rng.randrange(0, 128_000) for _ in range(len(prompt))]
+        n = rng.randrange(1, len(hashes) + 1) * BLOCK
+        own = hashes if tokens is prompt else BlockHasher(SEED, BLOCK).hash_tokens(tokens[:n])
+        event = BlockStored(tuple(own[: n // BLOCK]), None, tuple(tokens[:n]), BLOCK)
+        batch = EventBatch(0.0, (event,))
+        if leases is None:
+            await router.state.index.apply(node, batch)
+        else:
+            await leases.take(node)
+            await leases.apply(node, batch, seq=0)
+
+
 async def _measure(
-    router: KvRouter, decisions: int, seed: int
+    router: KvRouter, decisions: int, seed: int, nodes: int, all_candidates: bool
 ) -> tuple[list[float], list[float], list[float]]:
     """Decide and route times (ms), and the index's ``match`` alone on the same state."""
     rng = random.Random(seed)
     prompt = [rng.randrange(0, 128_000) for _ in range(8192)]
-    producers = [_Backend(f"p{i}", Role.PRODUCER) for i in range(4)]
-    consumers = [_Backend(f"c{i}", Role.CONSUMER) for i in range(4)]
     hashes = BlockHasher(SEED, BLOCK).hash_tokens(prompt)
-    for node in producers + consumers:
-        n = rng.randrange(0, len(hashes) + 1) * BLOCK
-        event = BlockStored(tuple(hashes[: n // BLOCK]), None, tuple(prompt[:n]), BLOCK)
-        await router._index.apply(NodeId(node.name), EventBatch(0.0, (event,)))
+    names = [f"p{i}" if i % 2 == 0 else f"c{i}" for i in range(max(nodes, 8))]
+    await _populate(router, hashes, prompt, names, rng)
+    chosen = names if all_candidates else names[:8]
+    producers = [_Backend(n, Role.PRODUCER) for n in chosen if n.startswith("p")]
+    consumers = [_Backend(n, Role.CONSUMER) for n in chosen if n.startswith("c")]
     decide, route = [], []
     for i in range(decisions + 50):
         req = RouteRequest(f"b{i}", "completions", {"prompt": prompt})
@@ -92,12 +122,14 @@ async def _measure(
     match = []
     for _ in range(decisions):
         t0 = time.perf_counter()
-        await router._index.match(hashes)
+        await router.state.index.match(hashes)
         match.append((time.perf_counter() - t0) * 1000)
     return decide, route, match
 
 
-async def _decision_time(decisions: int, redis_url: str | None) -> None:
+async def _decision_time(
+    decisions: int, redis_url: str | None, nodes: int, all_candidates: bool
+) -> None:
     rng = random.Random(1)
     prompt = [rng.randrange(0, 128_000) for _ in range(8192)]
     hasher = BlockHasher(SEED, BLOCK)
@@ -107,14 +139,18 @@ async def _decision_time(decisions: int, redis_url: str | None) -> None:
         hasher.hash_tokens(prompt)
         hash_ms.append((time.perf_counter() - t0) * 1000)
     base = _pct(hash_ms, 0.5)
-    print("Decision time, 8,192-token prompt, 8 nodes (4P+4C) holding random prefixes")
+    scored = f"all {max(nodes, 8)} as candidates" if all_candidates else "8 candidates (4P+4C)"
+    print(
+        f"Decision time, 8,192-token prompt, {max(nodes, 8)} nodes in the index "
+        f"(the first 8 and one in eight of the others hold random prefixes of it), {scored}"
+    )
     print(_row("baseline: hashing alone", hash_ms))
 
     settings = KvRouterSettings(model_seed=SEED, block_size=BLOCK)
     router = build_kv_router(settings, metrics_registry=CollectorRegistry())
     await router.start()
     try:
-        decide, route, match = await _measure(router, decisions, 2)
+        decide, route, match = await _measure(router, decisions, 2, nodes, all_candidates)
     finally:
         await router.close()
     print(_row("memory: index.match alone", match))
@@ -128,13 +164,13 @@ async def _decision_time(decisions: int, redis_url: str | None) -> None:
         await router.start()
         try:
             ping = []
-            client = router._shared._client if router._shared is not None else None
-            assert client is not None
+            index = router.state.index
+            assert isinstance(index, RedisIndex)
             for _ in range(decisions):
                 t0 = time.perf_counter()
-                await client.ping()
+                await index.ping()
                 ping.append((time.perf_counter() - t0) * 1000)
-            decide, route, match = await _measure(router, decisions, 2)
+            decide, route, match = await _measure(router, decisions, 2, nodes, all_candidates)
             fallbacks = router.metrics.registry.get_sample_value(
                 "pdproxy_kv_router_fallbacks_total"
             )
@@ -250,6 +286,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--nodes", type=int, default=8, help="nodes in the index (>= 8)")
+    parser.add_argument(
+        "--all-candidates", action="store_true", help="every node is a routing candidate"
+    )
     parser.add_argument("--workload", action="store_true", help="also run the sim workload")
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--per-group", type=int, default=16)
@@ -270,7 +310,7 @@ def main() -> None:
         "weights.in_flight_tokens=0 or local_prefill.max_suffix_tokens=0 (repeatable)",
     )
     args = parser.parse_args()
-    asyncio.run(_decision_time(args.decisions, args.redis_url))
+    asyncio.run(_decision_time(args.decisions, args.redis_url, args.nodes, args.all_candidates))
     if args.workload:
         _workload(args)
 

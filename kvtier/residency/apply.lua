@@ -1,83 +1,87 @@
--- Apply translated residency operations of one node.
--- KEYS[1] hash node -> slot; KEYS[2] set of retired slots; KEYS[3] set of known nodes
--- ARGV[1] key prefix of the model; ARGV[2] node; ARGV[3] bytes per hash; then operations:
---   "S", tier ("G"/"C"), hashes concatenated   -- became resident
---   "R", tier, hashes concatenated             -- left the tier
---   "C"                                        -- cleared: the node's slot is retired
--- Residency of block h is the string <prefix>r:h = G + C * 2^26 (see match.lua). A node
--- gets a free slot when it first stores; a retired slot's bits are ignored by match until a
--- sweep clears them. Fails with NOSLOT, before writing anything, when the batch needs more
--- free slots than there are (26 per model, live and retired together).
-local band = bit.band
-local SPLIT = 67108864 -- 2^26
-local prefix, node, size = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local rp = prefix .. 'r:'
-local slot = tonumber(redis.call('HGET', KEYS[1], node))
--- Dry run: how many new slots does this batch take?
-local has, need, i = slot ~= nil, 0, 4
+-- Apply translated residency operations of one node (one bounded chunk of a batch).
+-- KEYS[1] hash node -> slot   KEYS[2] hash slot -> node   KEYS[3] set of known nodes
+-- KEYS[4] set of retired slots   KEYS[5] set of free slots   KEYS[6] slots ever handed out
+-- KEYS[7] names epoch (bumped when a slot is retired)   KEYS[8] the node's engine-hash map
+-- KEYS[9] its last applied sequence   KEYS[10] its lease
+-- KEYS[11..] residency keys <tag>:r:<h> of the blocks the operations name, in order
+-- ARGV[1] node; ARGV[2] most slots per model; ARGV[3] the writer ("" when no lease is used:
+-- otherwise the call is refused with NOTOWNER, writing nothing, unless the lease names it);
+-- then operations:
+--   "S", tier ("G"/"C"), n   -- the next n blocks became resident
+--   "R", tier, n             -- the next n blocks left the tier
+--   "C"                      -- cleared: the node's slot is retired (its entries are ignored
+--                               at once and scrubbed by a sweep before the slot is reused)
+--   "X"                      -- the engine-hash map is emptied
+--   "M", field, value        -- one engine-hash map entry set
+--   "D", field               -- one engine-hash map entry dropped
+--   "Q", seq                 -- the node's last applied batch
+-- Residency of block h (<tag>:r:h) is a bitmap: bit 2*slot set while the slot holds it on GPU,
+-- bit 2*slot+1 on CPU (SETBIT offsets). A node gets a slot when it first
+-- stores (a swept free one, else a new one). Fails with NOSLOT, before writing anything, when
+-- it needs a slot and none is left.
+local call = redis.call
+local node, max_slots, writer = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local WIDTH = {S = 3, R = 3, C = 1, X = 1, M = 3, D = 2, Q = 2}
+if writer ~= '' and call('GET', KEYS[10]) ~= writer then
+  return redis.error_reply('NOTOWNER another replica writes the events of ' .. node)
+end
+local slot = tonumber(call('HGET', KEYS[1], node))
+local has, need = slot ~= nil, false
+local i = 4
 while i <= #ARGV do
-  if ARGV[i] == 'C' then
-    has = false
-    i = i + 1
-  else
-    if ARGV[i] == 'S' and not has then
-      need = need + 1
-      has = true
-    end
-    i = i + 3
-  end
+  local op = ARGV[i]
+  if op == 'C' then has = false end
+  if op == 'S' and not has then need, has = true, true end
+  i = i + WIDTH[op]
 end
-local taken = {}
-for _, s in ipairs(redis.call('HVALS', KEYS[1])) do taken[tonumber(s)] = true end
-for _, s in ipairs(redis.call('SMEMBERS', KEYS[2])) do taken[tonumber(s)] = true end
-local free = {}
-for s = 25, 0, -1 do
-  if not taken[s] then free[#free + 1] = s end
-end
-if need > #free then
+if need and call('SCARD', KEYS[5]) == 0 and (tonumber(call('GET', KEYS[6])) or 0) >= max_slots then
   return redis.error_reply('NOSLOT no free node slot; retired slots need a sweep')
 end
-redis.call('SADD', KEYS[3], node)
+call('SADD', KEYS[3], node)
+
+-- Set (add) or clear (not add) one bit; a bitmap left empty is deleted.
+local function update(key, offset, add)
+  if add then
+    call('SETBIT', key, offset, 1)
+  elseif call('SETBIT', key, offset, 0) == 1 and call('BITCOUNT', key) == 0 then
+    call('DEL', key)
+  end
+end
+
+local k = 11
 i = 4
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'C' then
     if slot then
-      redis.call('SADD', KEYS[2], slot)
-      redis.call('HDEL', KEYS[1], node)
+      call('SADD', KEYS[4], slot)
+      call('HDEL', KEYS[1], node)
+      call('HDEL', KEYS[2], slot)
+      call('INCR', KEYS[7])
       slot = nil
     end
-    i = i + 1
+  elseif op == 'X' then
+    call('DEL', KEYS[8])
+  elseif op == 'M' then
+    call('HSET', KEYS[8], ARGV[i + 1], ARGV[i + 2])
+  elseif op == 'D' then
+    call('HDEL', KEYS[8], ARGV[i + 1])
+  elseif op == 'Q' then
+    call('SET', KEYS[9], ARGV[i + 1])
   else
-    local blob = ARGV[i + 2]
+    local n = tonumber(ARGV[i + 2])
     if op == 'S' and not slot then
-      slot = table.remove(free)
-      redis.call('HSET', KEYS[1], node, slot)
+      slot = tonumber(call('SPOP', KEYS[5])) or (call('INCR', KEYS[6]) - 1)
+      call('HSET', KEYS[1], node, slot)
+      call('HSET', KEYS[2], slot, node)
     end
     if slot then
-      local b = bit.lshift(1, slot)
-      local gpu = ARGV[i + 1] == 'G'
-      local delta = b
-      if not gpu then delta = b * SPLIT end
-      for j = 1, #blob, size do
-        local key = rp .. string.sub(blob, j, j + size - 1)
-        local v = tonumber(redis.call('GET', key)) or 0
-        local g = v % SPLIT
-        local mask = g
-        if not gpu then mask = (v - g) / SPLIT end
-        local held = band(mask, b) ~= 0
-        if op == 'S' and not held then
-          redis.call('SET', key, string.format('%.0f', v + delta))
-        elseif op == 'R' and held then
-          if v == delta then
-            redis.call('DEL', key)
-          else
-            redis.call('SET', key, string.format('%.0f', v - delta))
-          end
-        end
-      end
+      local offset = 2 * slot + (ARGV[i + 1] == 'G' and 0 or 1)
+      local add = op == 'S'
+      for j = k, k + n - 1 do update(KEYS[j], offset, add) end
     end
-    i = i + 3
+    k = k + n
   end
+  i = i + WIDTH[op]
 end
 return slot

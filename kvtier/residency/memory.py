@@ -1,12 +1,14 @@
 """In-process residency index (the embedded default).
 
-Each known node owns one bit position ``k``. One dict maps a router block hash to a packed
-integer with four fields of ``max_nodes`` bits each: nodes holding the block on GPU, on CPU,
-in any tier, and in any tier or predicted. ``match`` is then one C-level pass over the prompt,
-independent of the number of nodes: ``accumulate(masks, and_)`` keeps the running AND of all
-four fields at once, ``takewhile`` stops at the first block no node holds, and the positions
-where bits leave the running AND are the nodes' prefix lengths per tier. Per-node sets keep
-what each node holds so ``forget`` and ``AllBlocksCleared`` are exact.
+Each known node owns one position ``k`` (the lowest free one; no cap unless ``max_nodes`` is
+given). One dict maps a router block hash to a packed integer with four bits per node, at
+``4k`` .. ``4k + 3``: the node holds the block on GPU, on CPU, in any tier, and in any tier or
+predicted. ``match`` is then one C-level pass over the prompt: ``accumulate(masks, and_)``
+keeps the running AND of all four tiers of every node at once, ``takewhile`` stops at the first
+block no node holds, and the positions where bits leave the running AND are the nodes' prefix
+lengths per tier. A node that holds none of the prompt's blocks adds no bit to its masks, so the
+cost of a match follows the nodes that hold its blocks, not the number of nodes known. Per-node
+sets keep what each node holds so ``forget`` and ``AllBlocksCleared`` are exact.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from kvtier.residency.translate import (
 from kvtier.residency.types import Match, NodeId
 
 _GPU, _CPU, _ANY, _SEEN = range(4)
-"""Fields of the packed masks; ``_SEEN`` is any tier or predicted."""
+"""A node's bits in the packed masks; ``_SEEN`` is any tier or predicted."""
+_FIELDS = 4
 
 
 def _drops(masks: Iterable[int]) -> dict[int, int]:
@@ -69,8 +72,9 @@ class MemoryIndex:
     """:class:`kvtier.residency.types.ResidencyIndex` held in this process.
 
     ``clock`` returns seconds (monotonic); predictions expire ``ttl_s`` after ``predict``.
-    ``group_idx`` selects the KV-cache group whose events are indexed. At most ``max_nodes``
-    nodes are known at once (a forgotten node's position is reused).
+    ``group_idx`` selects the KV-cache group whose events are indexed. Without ``max_nodes``
+    any number of nodes is known at once; with it, at most that many (a forgotten node's
+    position is reused either way).
     """
 
     def __init__(
@@ -78,18 +82,20 @@ class MemoryIndex:
         hasher: BlockHasher,
         *,
         group_idx: int = 0,
-        max_nodes: int = 64,
+        max_nodes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_nodes <= 0:
+        if max_nodes is not None and max_nodes <= 0:
             raise ValueError(f"max_nodes must be positive, got {max_nodes}")
         self._hasher = hasher
         self._group = group_idx
         self._clock = clock
-        self._width = max_nodes
+        self._cap = max_nodes
+        self._next = 0
         self._nodes: dict[NodeId, _Node] = {}
         self._by_index: dict[int, _Node] = {}
-        self._free: list[int] = list(range(max_nodes))
+        self._free: list[int] = []
+        """Positions of forgotten nodes, reused lowest first (keeps the masks short)."""
         self._maps: dict[NodeId, EngineHashMap] = {}
         self._masks: dict[BlockHash, int] = {}
         self._expiries: list[tuple[float, int, BlockHash]] = []
@@ -99,15 +105,20 @@ class MemoryIndex:
         m = self._maps.get(node)
         return m.stats if m is not None else TranslateStats()
 
-    def _bit(self, index: int, field: int) -> int:
-        return 1 << (field * self._width + index)
+    @staticmethod
+    def _bit(index: int, field: int) -> int:
+        return 1 << (index * _FIELDS + field)
 
     def _node(self, name: NodeId) -> _Node:
         node = self._nodes.get(name)
         if node is None:
-            if not self._free:
-                raise ResidencyError(f"MemoryIndex tracks at most {self._width} nodes")
-            node = self._nodes[name] = _Node(name, heapq.heappop(self._free))
+            if self._cap is not None and len(self._nodes) >= self._cap:
+                raise ResidencyError(f"MemoryIndex tracks at most {self._cap} nodes")
+            if self._free:
+                index = heapq.heappop(self._free)
+            else:
+                index, self._next = self._next, self._next + 1
+            node = self._nodes[name] = _Node(name, index)
             self._by_index[node.index] = node
         return node
 
@@ -191,16 +202,17 @@ class MemoryIndex:
 
     async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
         self._expire(self._clock())
-        lengths = [[0] * self._width for _ in range(4)]
-        width = self._width
+        lengths: dict[int, list[int]] = {}
         for low, length in _drops(map(self._masks.get, hashes, repeat(0))).items():
-            field, index = divmod(low.bit_length() - 1, width)
-            lengths[field][index] = length
-        gpu, cpu, total, seen = lengths
+            index, field = divmod(low.bit_length() - 1, _FIELDS)
+            row = lengths.get(index)
+            if row is None:
+                row = lengths[index] = [0, 0, 0, 0]
+            row[field] = length
         by_index = self._by_index
         return {
-            by_index[i].name: Match(gpu=gpu[i], cpu=cpu[i], total=total[i], predicted=p)
-            for i, p in enumerate(seen)
+            by_index[i].name: Match(gpu=g, cpu=c, total=t, predicted=p)
+            for i, (g, c, t, p) in lengths.items()
             if p
         }
 

@@ -1,35 +1,31 @@
-"""Residency index in Redis, shared by several proxies.
+"""Residency index in Redis, shared by several proxies (layout: :mod:`.redis_layout`).
 
-Layout (every key of a model under one hash tag, so a model lives in one Redis Cluster slot):
-``{ns:model}:slots`` (hash node → slot 0..25), ``{ns:model}:retired`` (set of slots awaiting a
-sweep), ``{ns:model}:nodes`` (set of known nodes), and per router block hash ``h`` (16 raw
-bytes): ``{ns:model}:r:h`` = ``G + C·2^26`` where ``G`` / ``C`` are bitmasks of the slots
-holding the block on GPU / CPU, and ``{ns:model}:p:h`` = the block's predictions, one 16-byte
-entry per slot (slot, then its expiry in ms on the Redis clock), expiring with its
-longest-lived prediction (``{ns:model}:plive`` with the longest-lived of all: without it,
-``match`` skips prediction keys). Each live node owns one bit, so at most 26 nodes per model
-are tracked at once.
+Each live node owns a slot (up to 65,536 per model, live and retired together). A block's
+residency value is a bitmap of its holders' slots per tier, which the match walk ANDs as
+integers: a thousand nodes cost a few hundred bytes per value, not a loop per node.
 
-Forgetting a node (or an ``AllBlocksCleared`` from it) retires its slot: ``match`` ignores
-retired bits at once, and :meth:`RedisIndex.sweep` (run in the background when slots run
-short) clears them from every key before the slot is handed out again. This plays the role
-of node epochs: a restarted node's stale entries vanish in O(1).
+``match`` reads residency and prediction values in chunks (a short first one, then up to
+``max_blocks_per_read`` blocks), one read-only script call each (``read``: the values, the Redis
+clock and the names epoch), and walks them here (:mod:`.redis_walk`, integer ANDs); it stops
+reading at the first block that no node still matching holds or has predicted. Slot names are
+cached until the epoch moves (a slot was retired or handed back); a slot that names no node is
+retired and ignored. Writes run as Lua scripts
+(``*.lua`` beside this module) that declare every key they touch: ``apply`` (one node's translated
+operations), ``predict`` (speculative entries with a TTL), ``forget`` (retire a node's slot),
+``sweep`` (scrub retired slots' entries before the slot is handed out again; in the background
+once ``SWEEP_AFTER_RETIRED`` slots are retired), ``free`` (hand swept slots back).
 
-Lua scripts (``*.lua`` beside this module), registered once per client (EVALSHA; reloaded if
-Redis lost them): ``match`` walks the chain in one round trip, reading only: residency values
-with MGET in chunks, prediction entries only for blocks a node still matching lacks, skipping
-blocks whose values equal the previous block's, keeping a running AND of the masks per tier and
-stopping at the first block that no node still matching holds or predicted; ``apply`` writes
-one batch of translated operations; ``predict`` writes predictions with a TTL (dropping expired
-entries it meets); ``forget`` retires a slot; ``sweep`` scrubs retired bits and entries.
-Block keys are built inside the scripts from a prefix sharing the declared keys' hash tag;
-hashes travel as one concatenated argument.
+Cost per call is bounded whatever the prompt: every write names at most
+``max_blocks_per_call`` blocks and every read ``max_blocks_per_read``; a longer prompt or batch
+is split into several calls, so a Redis server serves other clients between them (a script
+that runs stops every other client, and the client's deadline cannot interrupt it). Hashes are
+checked before anything is sent.
 
-Every call runs under a deadline (``deadline_s``; ``apply_deadline_s`` for writes) with no
+Every call runs under a deadline (``deadline_s``, or none when the caller bounds each call, as
+the router's store guard does; ``apply_deadline_s`` for writes from event feeds), with no
 retries: a dead, paused or slow Redis raises :class:`kvtier.errors.ResidencyUnavailable` in
-milliseconds, so the router can fall back to load-only routing. A failed ``apply`` marks the
-node for a resync: the next successful one clears it in Redis and rewrites everything the
-node's engine-hash map knows.
+milliseconds. A failed ``apply`` marks the node for a resync: its next successful one clears it
+in Redis and rewrites everything the node's engine-hash map knows.
 """
 
 from __future__ import annotations
@@ -41,54 +37,53 @@ from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
 from typing import Any, TypeVar
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import Redis
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
-from redis.retry import Retry
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
 
 from kvtier.errors import ResidencyUnavailable
-from kvtier.events.types import EventBatch, Medium
+from kvtier.events.types import Medium
 from kvtier.keys import BLOCK_HASH_BYTES, BlockHash, BlockHasher
+from kvtier.residency.redis_client import (
+    RedisClient,
+    ScriptCall,
+    bounded,
+    connect,
+    run_scripts,
+)
+from kvtier.residency.redis_emap import MapWrite, SharedEngineMaps
+from kvtier.residency.redis_layout import (
+    ModelKeys,
+)
+from kvtier.residency.redis_settings import RedisIndexSettings
+from kvtier.residency.redis_walk import Walk
 from kvtier.residency.translate import (
     ClearOp,
-    EngineHashMap,
     ResidencyOp,
     StoreOp,
     TranslateStats,
 )
 from kvtier.residency.types import Match, NodeId
 
+__all__ = ["FIRST_MATCH_CHUNK", "RedisIndex", "RedisIndexSettings", "check_hashes"]
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _TIER = {Medium.GPU: b"G", Medium.CPU: b"C"}
-
-
-class RedisIndexSettings(BaseSettings):
-    """Connection and deadlines of :class:`RedisIndex` (env prefix ``KVTIER_RESIDENCY_``)."""
-
-    model_config = SettingsConfigDict(env_prefix="KVTIER_RESIDENCY_")
-
-    url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL")
-    namespace: str = Field(default="kvtier", description="first part of the per-model hash tag")
-    deadline_s: float = Field(
-        default=0.05, gt=0, description="deadline of match/predict/forget/nodes"
-    )
-    apply_deadline_s: float = Field(default=0.5, gt=0, description="deadline of one apply call")
-    max_connections: int = Field(default=64, gt=0, description="connection pool size")
-    group_idx: int = Field(default=0, ge=0, description="KV-cache group whose events are indexed")
+FIRST_MATCH_CHUNK = 64
+"""Blocks read by a match's first MGET: most prompts that match nothing stop there."""
 
 
 def _lua(name: str) -> str:
     return files("kvtier.residency").joinpath(name).read_text(encoding="utf-8")
 
 
-def hash_tag(namespace: str, model_seed: str) -> str:
-    """``{namespace:model}`` with braces removed from the parts (they would end the tag)."""
-    clean = "".join(c for c in f"{namespace}:{model_seed}" if c not in "{}")
-    return "{" + clean + "}"
+def check_hashes(hashes: Sequence[BlockHash]) -> None:
+    """Refuse, before sending anything, hashes that are not router block hashes."""
+    for h in hashes:
+        if len(h) != BLOCK_HASH_BYTES:
+            raise ValueError(f"block hashes must be {BLOCK_HASH_BYTES} bytes each, got {len(h)}")
 
 
 class RedisIndex:
@@ -98,159 +93,254 @@ class RedisIndex:
     """Start a background sweep once this many slots are retired."""
 
     def __init__(
-        self, hasher: BlockHasher, settings: RedisIndexSettings, client: Redis | None = None
+        self,
+        hasher: BlockHasher,
+        settings: RedisIndexSettings,
+        client: RedisClient | None = None,
+        *,
+        close_client: bool = False,
     ) -> None:
+        """``client`` (from :func:`~kvtier.residency.redis_client.connect`) is shared with the
+        caller, which closes it unless ``close_client``; without one the index connects to
+        ``settings.url`` and closes its own client."""
         self._hasher = hasher
         self._settings = settings
-        tag = hash_tag(settings.namespace, hasher.model_seed)
-        self._slots = f"{tag}:slots".encode()
-        self._retired = f"{tag}:retired".encode()
-        self._nodes_key = f"{tag}:nodes".encode()
-        self._prefix = f"{tag}:".encode()
-        self._keys = [self._slots, self._retired, self._nodes_key]
-        self._own_client = client is None
-        self._redis: Redis = client or Redis.from_url(
+        self.keys = ModelKeys.of(settings.namespace, hasher.model_seed)
+        self._own_client = client is None or close_client
+        self._redis: RedisClient = client or connect(
             settings.url,
-            socket_timeout=settings.apply_deadline_s,
-            socket_connect_timeout=settings.deadline_s,
-            retry=Retry(NoBackoff(), 0),
+            socket_timeout_s=settings.apply_deadline_s,
+            connect_timeout_s=settings.deadline_s or settings.apply_deadline_s,
             max_connections=settings.max_connections,
-            health_check_interval=0,
         )
-        self._match = self._redis.register_script(_lua("match.lua"))
+        self._cluster = isinstance(self._redis, RedisCluster)
         self._apply = self._redis.register_script(_lua("apply.lua"))
         self._predict = self._redis.register_script(_lua("predict.lua"))
         self._forget = self._redis.register_script(_lua("forget.lua"))
         self._sweep = self._redis.register_script(_lua("sweep.lua"))
-        self._maps: dict[NodeId, EngineHashMap] = {}
-        self._resync: set[NodeId] = set()
+        self._free = self._redis.register_script(_lua("free.lua"))
+        self._read = self._redis.register_script(_lua("read.lua"))
+        self._lease = self._redis.register_script(_lua("lease.lua"))
+        self._maps = SharedEngineMaps(
+            hasher,
+            settings.group_idx,
+            self._redis,
+            self.keys,
+            lambda fn: self._call("apply", settings.apply_deadline_s, fn),
+        )
         self._sweep_task: asyncio.Task[int] | None = None
         self.sweeps = 0
+        self._names_cache: dict[int, str | None] = {}
+        self._names_epoch = -1
+        self.writer: str | None = None
+        """This replica's name when it writes event streams under leases (apply is then
+        refused unless it holds the node's lease); None: no leases (one proxy)."""
+        self.calls = 0
+        """Script calls and MGETs sent (a test counts chunks with it)."""
+
+    @property
+    def max_blocks_per_call(self) -> int:
+        return self._settings.max_blocks_per_call
+
+    @property
+    def max_blocks_per_read(self) -> int:
+        return self._settings.max_blocks_per_read
 
     def translate_stats(self, node: NodeId) -> TranslateStats:
         """How ``node``'s events translated in this process since it was last forgotten."""
-        m = self._maps.get(node)
-        return m.stats if m is not None else TranslateStats()
+        return self._maps.stats(node)
 
-    async def _call(self, what: str, deadline: float, fn: Callable[[], Awaitable[T]]) -> T:
+    async def _call(self, what: str, deadline: float | None, fn: Callable[[], Awaitable[T]]) -> T:
         try:
-            async with asyncio.timeout(deadline):
-                return await fn()
-        except ResponseError as exc:
-            if str(exc).startswith("NOSLOT"):
+            return await bounded(what, deadline, fn)
+        except ResidencyUnavailable as exc:
+            if "NOSLOT" in str(exc):
                 self._start_sweep()
-            raise ResidencyUnavailable(f"redis {what} refused: {exc}") from exc
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ResidencyUnavailable(
-                f"redis {what} failed within {deadline * 1000:.0f} ms: {exc!r}"
-            ) from exc
+            raise
 
-    @staticmethod
-    def _blob(hashes: Sequence[BlockHash]) -> bytes:
-        blob = b"".join(hashes)
-        if len(blob) != BLOCK_HASH_BYTES * len(hashes):
-            raise ValueError(f"block hashes must be {BLOCK_HASH_BYTES} bytes each")
-        return blob
+    async def _scripts(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Run script calls in order: one packed round trip on a single node; one call after
+        another on a cluster (its client pipelines no scripts)."""
+        self.calls += len(calls)
+        if self._cluster:
+            return [await script(keys=keys, args=args) for script, keys, args in calls]
+        assert isinstance(self._redis, Redis)
+        return await run_scripts(self._redis, calls)
 
-    def _apply_args(self, node: NodeId, ops: Sequence[ResidencyOp]) -> list[bytes | str | int]:
-        args: list[bytes | str | int] = [self._prefix, node, BLOCK_HASH_BYTES]
+    # -- writes ----------------------------------------------------------------------------
+
+    def _apply_calls(
+        self, node: NodeId, ops: Sequence[ResidencyOp], tail: Sequence[list[Any]]
+    ) -> list[ScriptCall]:
+        """``ops`` then ``tail`` (engine-hash map and sequence operations) as apply.lua calls
+        of at most ``max_blocks_per_call`` blocks or map entries each."""
+        limit = self._settings.max_blocks_per_call
+        k = self.keys
+        fixed = [*k.meta, k.emap(node), k.seq(node), k.lease(node)]  # KEYS[1..10]
+        head: list[Any] = [node, self._settings.max_node_slots, self.writer or ""]
+        calls: list[ScriptCall] = []
+        keys: list[bytes] = []
+        args: list[Any] = []
+        used = 0
+
+        def flush() -> None:
+            nonlocal keys, args, used
+            if args or not calls:  # an empty batch still makes the node known
+                calls.append((self._apply, fixed + keys, head + args))
+            keys, args, used = [], [], 0
+
         for op in ops:
             if isinstance(op, ClearOp):
                 args.append(b"C")
-            elif op.hashes:
-                kind = b"S" if isinstance(op, StoreOp) else b"R"
-                args += (kind, _TIER[op.medium], self._blob(op.hashes))
-        return args
+                continue
+            check_hashes(op.hashes)
+            kind = b"S" if isinstance(op, StoreOp) else b"R"
+            hashes = op.hashes
+            start = 0
+            while start < len(hashes):
+                if used == limit:
+                    flush()
+                part = hashes[start : start + limit - used]
+                keys += [k.r + h for h in part]
+                args += [kind, _TIER[op.medium], len(part)]
+                start += len(part)
+                used += len(part)
+        for extra in tail:
+            if used == limit:
+                flush()
+            args += extra
+            used += 1
+        flush()
+        return calls
 
-    def _ops_for(self, node: NodeId, batch: object) -> list[ResidencyOp]:
-        if not isinstance(batch, EventBatch):
-            raise TypeError(f"expected an EventBatch, got {type(batch).__name__}")
-        emap = self._maps.get(node)
-        if emap is None:
-            emap = self._maps[node] = EngineHashMap(self._hasher, self._settings.group_idx)
-        ops = emap.translate(batch)
-        if node in self._resync:
-            ops = [ClearOp(), *emap.snapshot()]
-        return ops
-
-    async def apply(self, node: NodeId, batch: object) -> None:
-        await self.apply_many([(node, batch)])
+    async def apply(self, node: NodeId, batch: object, *, seq: int | None = None) -> None:
+        """Apply one batch; ``seq`` (its sequence number on the node's stream) is recorded
+        so a replica taking the stream over replays from the next one."""
+        await self._apply_items([(node, batch, seq)])
 
     async def apply_many(self, items: Sequence[tuple[NodeId, object]]) -> None:
-        """Apply batches in order in one pipelined round trip (one script call per batch)."""
-        calls = [(node, self._apply_args(node, self._ops_for(node, b))) for node, b in items]
+        """Apply batches in order (pipelined on a single node; bounded script calls)."""
+        await self._apply_items([(node, b, None) for node, b in items])
 
-        async def run() -> None:
-            if len(calls) == 1:
-                await self._apply(keys=self._keys, args=calls[0][1])
-                return
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for _, args in calls:
-                    await self._apply(keys=self._keys, args=args, client=pipe)
-                await pipe.execute()
-
-        touched = {node for node, _ in calls}
+    async def _apply_items(self, items: Sequence[tuple[NodeId, object, int | None]]) -> None:
+        calls: list[ScriptCall] = []
+        tails: list[tuple[NodeId, list[MapWrite]]] = []
+        touched = {node for node, _, _ in items}
         try:
-            await self._call("apply", self._settings.apply_deadline_s, run)
+            for node, b, seq in items:
+                ops, tail = await self._maps.translate(node, b)
+                tails.append((node, tail))
+                if seq is not None:
+                    tail.append([b"Q", seq])
+                calls += self._apply_calls(node, ops, tail)
+            await self._call("apply", self._settings.apply_deadline_s, lambda: self._scripts(calls))
         except ResidencyUnavailable:
-            self._resync |= touched
+            self._maps.failed(touched, tails)
             raise
-        self._resync -= touched
+        self._maps.written(touched)
 
-    async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
-        if not hashes:
-            return {}
-        args: list[bytes | int] = [self._prefix, self._blob(hashes), BLOCK_HASH_BYTES]
-        raw: list[Any] = await self._call(
-            "match",
-            self._settings.deadline_s,
-            lambda: self._match(keys=[self._slots], args=args),
+    async def lease(self, node: NodeId, *, take: bool, ttl_s: float) -> tuple[bool, int]:
+        """Take (or renew) this index's writer lease on ``node``'s event stream, or drop it.
+        Returns whether it is held now and the node's last applied sequence (-1: none)."""
+        if self.writer is None:
+            raise ValueError("a lease needs a writer name (RedisIndex.writer)")
+        k = self.keys
+        args = [b"take" if take else b"drop", self.writer, max(1, round(ttl_s * 1000))]
+        held, seq = await self._call(
+            "lease",
+            self._settings.apply_deadline_s,  # a background call, like apply
+            lambda: self._lease(keys=[k.lease(node), k.seq(node)], args=args),
         )
-        out: dict[NodeId, Match] = {}
-        for i in range(0, len(raw), 5):
-            node = raw[i].decode() if isinstance(raw[i], bytes) else str(raw[i])
-            g, c, t, p = (int(x) for x in raw[i + 1 : i + 5])
-            out[NodeId(node)] = Match(gpu=g, cpu=c, total=t, predicted=p)
-        return out
+        return bool(held), int(seq)
 
     async def predict(self, node: NodeId, hashes: Sequence[BlockHash], ttl_s: float) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if not hashes:
             return
+        check_hashes(hashes)
         ttl_ms = max(1, round(ttl_s * 1000))
-        args: list[bytes | str | int] = [
-            self._prefix,
-            node,
-            BLOCK_HASH_BYTES,
-            ttl_ms,
-            self._blob(hashes),
+        limit = self._settings.max_blocks_per_call
+        head = [*self.keys.meta, self.keys.plive]
+        p = self.keys.p
+        calls: list[ScriptCall] = [
+            (
+                self._predict,
+                head + [p + h for h in hashes[i : i + limit]],
+                [node, self._settings.max_node_slots, ttl_ms],
+            )
+            for i in range(0, len(hashes), limit)
         ]
-        await self._call(
-            "predict",
-            self._settings.deadline_s,
-            lambda: self._predict(keys=self._keys, args=args),
-        )
+        await self._call("predict", self._settings.deadline_s, lambda: self._scripts(calls))
 
     async def forget(self, node: NodeId) -> None:
         """Drop ``node``. If Redis fails, the local map is dropped anyway and the node's next
         apply clears what Redis still holds."""
-        self._maps.pop(node, None)
-        self._resync.add(node)
+        self._maps.forgetting(node)
+        k = self.keys
         retired = await self._call(
             "forget",
             self._settings.deadline_s,
-            lambda: self._forget(keys=self._keys, args=[node]),
+            lambda: self._forget(
+                keys=[k.slots, k.names, k.nodes, k.retired, k.emap(node), k.seq(node), k.epoch],
+                args=[node],
+            ),
         )
-        self._resync.discard(node)
+        self._maps.forgotten(node)
         if int(retired) >= self.SWEEP_AFTER_RETIRED:
             self._start_sweep()
+
+    # -- reads -----------------------------------------------------------------------------
+
+    async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
+        if not hashes:
+            return {}
+        check_hashes(hashes)
+        return await self._call("match", self._settings.deadline_s, lambda: self._match(hashes))
+
+    async def _match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
+        k = self.keys
+        limit = self._settings.max_blocks_per_read
+        walk: Walk | None = None
+        epoch = 0
+        start = 0
+        while start < len(hashes) and (walk is None or walk.alive):
+            part = hashes[start : start + (FIRST_MATCH_CHUNK if start == 0 else limit)]
+            keys = [k.epoch, k.plive, *(k.r + h for h in part), *(k.p + h for h in part)]
+            now_ms, epoch, rv, pv = (await self._scripts([(self._read, keys, [len(part)])]))[0]
+            if walk is None:
+                walk = Walk(int(now_ms))
+            walk.feed(rv, pv)
+            start += len(part)
+        lengths = walk.result() if walk is not None else {}
+        names = await self._names(int(epoch), list(lengths))
+        out: dict[NodeId, Match] = {}
+        for slot, (g, c, t, p) in lengths.items():
+            name = names.get(slot)
+            if name is not None:  # None: a retired slot awaiting its sweep
+                out[NodeId(name)] = Match(gpu=g, cpu=c, total=t, predicted=p)
+        return out
+
+    async def _names(self, epoch: int, slots: list[int]) -> dict[int, str | None]:
+        """Node names of ``slots``, cached while the names epoch stays (a retired or reused
+        slot bumps it); one HMGET for slots not cached."""
+        if epoch != self._names_epoch:
+            self._names_cache.clear()
+            self._names_epoch = epoch
+        cache = self._names_cache
+        missing = [s for s in slots if s not in cache]
+        if missing:
+            self.calls += 1
+            got: list[Any] = await self._redis.hmget(self.keys.names, missing)
+            for slot, name in zip(missing, got, strict=True):
+                cache[slot] = name.decode() if name is not None else None
+        return cache
 
     async def nodes(self) -> list[NodeId]:
         members: set[bytes] = await self._call(
             "nodes",
             self._settings.deadline_s,
-            lambda: self._redis.smembers(self._nodes_key),  # type: ignore[arg-type,return-value]
+            lambda: self._redis.smembers(self.keys.nodes),  # type: ignore[arg-type,return-value]
         )
         return sorted(NodeId(m.decode()) for m in members)
 
@@ -258,34 +348,36 @@ class RedisIndex:
         """One round trip (a health check, and the benchmark's baseline)."""
         await self._call("ping", self._settings.deadline_s, self._redis.ping)
 
+    # -- retired slots ---------------------------------------------------------------------
+
     def _start_sweep(self) -> None:
         if self._sweep_task is None or self._sweep_task.done():
             self._sweep_task = asyncio.create_task(self.sweep(), name="residency-sweep")
             self._sweep_task.add_done_callback(_log_sweep)
 
     async def sweep(self, chunk: int = 500) -> int:
-        """Clear retired slots' bits from every block key, then free those slots.
+        """Scrub retired slots' entries from every block key, then free those slots.
 
         Scans the model's keys in chunks (each chunk one script call under the apply
         deadline). Returns the number of slots freed.
         """
+        k = self.keys
         members: set[bytes] = await self._call(
             "sweep",
             self._settings.deadline_s,
-            lambda: self._redis.smembers(self._retired),  # type: ignore[arg-type,return-value]
+            lambda: self._redis.smembers(k.retired),  # type: ignore[arg-type,return-value]
         )
         slots = sorted(int(m) for m in members)
         if not slots:
             return 0
-        mask = sum(1 << s for s in slots)
-        pattern = _glob_escape(self._prefix) + b"[rp]:*"
+        pattern = _glob_escape(k.tag.encode()) + b":[rp]:*"
         batch: list[bytes] = []
 
         async def scrub(keys: list[bytes]) -> None:
             await self._call(
                 "sweep",
                 self._settings.apply_deadline_s,
-                lambda: self._sweep(keys=keys, args=[mask, *slots]),
+                lambda: self._sweep(keys=keys, args=slots),
             )
 
         try:
@@ -301,7 +393,7 @@ class RedisIndex:
         await self._call(
             "sweep",
             self._settings.deadline_s,
-            lambda: self._redis.srem(self._retired, *slots),
+            lambda: self._free(keys=[k.retired, k.free, k.epoch], args=slots),
         )
         self.sweeps += 1
         logger.info("residency sweep freed node slots %s", slots)

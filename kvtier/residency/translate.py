@@ -90,6 +90,36 @@ class EngineHashMap:
     def clear(self) -> None:
         self._entries.clear()
 
+    def unknown(self, batch: EventBatch) -> set[EngineBlockHash]:
+        """Engine hashes ``batch`` needs (parents of stores, removed blocks) that this map does
+        not hold; a replica that took over a node's stream fetches them from the shared map."""
+        out: set[EngineBlockHash] = set()
+        stored: set[EngineBlockHash] = set()
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                parent = event.parent_block_hash
+                if parent is not None and parent not in self._entries and parent not in stored:
+                    out.add(parent)
+                stored.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                out.update(h for h in event.block_hashes if h not in self._entries)
+            else:
+                break  # after a clear, nothing from before matters
+        return out
+
+    def load(self, engine_hash: EngineBlockHash, mask: int, hashes: tuple[BlockHash, ...]) -> None:
+        """An entry learnt from the shared map."""
+        if mask and hashes:
+            self._entries[engine_hash] = _Entry(hashes, mask)
+
+    def entry(self, engine_hash: EngineBlockHash) -> tuple[int, tuple[BlockHash, ...]] | None:
+        """(media mask, router hashes) of one engine block, or None."""
+        e = self._entries.get(engine_hash)
+        return None if e is None else (e.mask, e.hashes)
+
+    def entries(self) -> list[tuple[EngineBlockHash, int, tuple[BlockHash, ...]]]:
+        return [(h, e.mask, e.hashes) for h, e in self._entries.items()]
+
     def translate(self, batch: EventBatch) -> list[ResidencyOp]:
         """Update the map with ``batch`` and return what changed, in router hashes."""
         ops: list[ResidencyOp] = []

@@ -121,7 +121,7 @@ async def test_build_prefers_the_backends_replay_endpoint() -> None:
 
 
 async def held_blocks(router: KvRouter, node: str, text: str) -> int:
-    m = (await router._index.match(HASHER.hash_tokens(list(text.encode())))).get(NodeId(node))
+    m = (await router.state.index.match(HASHER.hash_tokens(list(text.encode())))).get(NodeId(node))
     return 0 if m is None else m.total
 
 

@@ -1,15 +1,17 @@
 """Build the KV-aware router from its settings (the router factory's ``"kv"`` branch).
 
-Memory mode (no ``index_url``): a :class:`~kvtier.residency.memory.MemoryIndex` and load in
-this process. Redis mode: one Redis client (no retries, short timeouts) shared by a
-:class:`~kvtier.residency.redis_index.RedisIndex` and the shared load counters.
+Memory mode (no ``index_url``): a :class:`~pdproxy.routing.kv.state.LocalState`. Redis mode
+(``redis://`` or ``redis+cluster://``): a :class:`~pdproxy.routing.kv.shared_state.SharedState`
+over one Redis client shared by a :class:`~kvtier.residency.redis_index.RedisIndex` and the
+shared load counters. One router per model: call :func:`build_kv_router` once per model's
+settings (each model's keys live under their own hash tag).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
@@ -17,10 +19,10 @@ from pydantic import ValidationError
 
 from kvtier.keys import BlockHasher
 from kvtier.residency.memory import MemoryIndex
-from kvtier.residency.types import ResidencyIndex
 from pdproxy.errors import ConfigError
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.routing.kv.state import LocalState, RouterState
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
 from pdproxy.settings import validation_error_text
 from pdproxy.tokenize.build import build_tokenizer
@@ -73,53 +75,57 @@ def build_kv_router(
     first_url = next((b.url for b in backends.all()), None) if backends is not None else None
     tokenizer = build_tokenizer(settings.tokenizer, backend_url=first_url)
     metrics = KvRouterMetrics(metrics_registry)
-    closers: list[Callable[[], Awaitable[None]]] = []
-    index: ResidencyIndex
-    shared_load = None
-    if settings.index_url is None:
-        index = MemoryIndex(hasher)
-    else:
-        from redis.asyncio import Redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings
-        from pdproxy.routing.kv.shared_load import RedisLoad
-
-        client = Redis.from_url(
-            settings.index_url,
-            socket_timeout=max(settings.redis_deadline_s * 10, 0.5),
-            socket_connect_timeout=settings.redis_deadline_s,
-            retry=Retry(NoBackoff(), 0),
-            max_connections=64,
-            health_check_interval=0,
-        )
-        index_settings = RedisIndexSettings.model_validate(
-            {
-                "url": settings.index_url,
-                "namespace": settings.key_prefix,
-                "deadline_s": settings.redis_deadline_s,
-            }
-        )
-        index = RedisIndex(hasher, index_settings, client=client)
-        shared_load = RedisLoad(
-            client,
-            prefix=settings.key_prefix,
-            model_seed=settings.model_seed,
-            replica_ttl_s=settings.replica_ttl_s,
-        )
-        closers.append(client.aclose)
     router = KvRouter(
-        settings,
-        index=index,
-        tokenizer=tokenizer,
-        metrics=metrics,
-        shared_load=shared_load,
-        on_close=closers,
+        settings, state=build_state(settings, hasher, metrics), tokenizer=tokenizer, metrics=metrics
     )
     if backends is not None:
         router.add_background(lambda: _follow_backends(router, backends, feed_sync_interval_s))
     return router
+
+
+def build_state(
+    settings: KvRouterSettings, hasher: BlockHasher, metrics: KvRouterMetrics
+) -> RouterState:
+    """In process without ``index_url``; else one Redis client (single node or cluster, no
+    retries) shared by the residency index and the load counters, under one guard."""
+    if settings.index_url is None:
+        return LocalState(MemoryIndex(hasher))
+    from kvtier.residency.redis_client import connect
+    from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings
+    from pdproxy.routing.kv.shared_load import RedisLoad
+    from pdproxy.routing.kv.shared_state import SharedState
+    from pdproxy.routing.kv.store_guard import BreakerState, StoreGuard
+    from pdproxy.routing.kv.stream_leases import StreamLeases
+
+    deadline = settings.redis_deadline_s
+    client = connect(
+        settings.index_url,
+        socket_timeout_s=max(deadline * 10, 0.5),
+        connect_timeout_s=deadline,
+    )
+    index_settings = RedisIndexSettings.model_validate(
+        # The guard bounds the index's calls from a decision (one deadline per call).
+        {"url": settings.index_url, "namespace": settings.key_prefix, "deadline_s": None}
+    )
+    index = RedisIndex(hasher, index_settings, client=client, close_client=True)
+    load = RedisLoad(
+        client,
+        prefix=settings.key_prefix,
+        model_seed=settings.model_seed,
+        replica_ttl_s=settings.replica_ttl_s,
+    )
+
+    def on_state(state: BreakerState) -> None:
+        metrics.shared_state_up.set(1 if state is BreakerState.CLOSED else 0)
+
+    guard = StoreGuard(
+        deadline_s=deadline,
+        failures=settings.breaker_failures,
+        cooldown_s=settings.breaker_cooldown_s,
+        on_state=on_state,
+    )
+    leases = StreamLeases(index, load.replica, settings.event_lease_ttl_s)
+    return SharedState(index, load, guard, heartbeat_s=settings.replica_ttl_s / 5, leases=leases)
 
 
 def _with_backend_replay(

@@ -3,10 +3,15 @@
 Batches go straight to the index, never through the router's breaker: an index that fails an
 apply knows it missed events and resyncs the node on its next successful apply (RedisIndex does),
 whereas a batch the router skipped would be lost silently. Failures are counted and logged once
-per outage. Lost events (the subscriber's reset) forget the node, except when a new subscription
-to a shared index starts after the publisher's replay buffer has moved on: the shared state was
-kept current by the other replicas, and wiping it would undo their work. Nothing here raises
-into the subscriber.
+per outage. Lost events (the subscriber's reset) forget the node. Nothing here raises into the
+subscriber.
+
+With a shared index and :class:`~pdproxy.routing.kv.stream_leases.StreamLeases`, only the
+replica holding a worker's lease applies (and, on lost events, forgets) that worker's events;
+the others follow the stream and drop its batches. A replica that takes a lease resubscribes
+from the sequence after the last one applied, so the worker's replay socket fills the gap. A
+shared index without leases (a replica joining late) keeps the shared state on a reset that
+comes before its first batch.
 
 Event sockets carry prompt token ids. With ``events_curve`` keys every subscription (live and
 replay) is CURVE-encrypted and checks the worker's public key; a backend whose server key is not
@@ -16,9 +21,11 @@ read once, at construction; a missing or malformed one is a :class:`ConfigError`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.errors import EventSecurityError, ResidencyError
 from kvtier.events import EventBatch, EventSubscriber
@@ -26,6 +33,9 @@ from kvtier.events.curve import CurveClient, load_client
 from kvtier.residency.types import NodeId, ResidencyIndex
 from pdproxy.errors import ConfigError
 from pdproxy.routing.kv.settings import EventsCurveSettings
+
+if TYPE_CHECKING:
+    from pdproxy.routing.kv.stream_leases import StreamLeases
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +49,7 @@ class EventFeeds:
         shared: bool = False,
         replay_timeout_s: float = 1.0,
         curve: EventsCurveSettings | None = None,
+        leases: StreamLeases | None = None,
     ) -> None:
         self._keys = _FeedKeys(curve) if curve is not None else None
         self._index = index
@@ -46,7 +57,27 @@ class EventFeeds:
         self._on_apply_error = on_apply_error
         self._replay_timeout_s = replay_timeout_s
         self._subs: dict[NodeId, EventSubscriber] = {}
+        self._endpoints: dict[NodeId, tuple[str, str | None]] = {}
         self._failing: set[NodeId] = set()
+        self.leases = leases
+        self._lease_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Keep this replica's leases (when it has any to keep) until :meth:`close`."""
+        if self.leases is not None and self._lease_task is None:
+            self._lease_task = asyncio.create_task(self._keep_leases(), name="kv-event leases")
+
+    async def _keep_leases(self) -> None:
+        leases = self.leases
+        assert leases is not None
+        while True:
+            await asyncio.sleep(leases.renew_s)
+            for node in list(self._subs):
+                start_seq = await leases.take(node)
+                if start_seq is not None and node in self._endpoints:
+                    # Taken over: follow from what the last writer applied.
+                    endpoint, replay = self._endpoints[node]
+                    await self._start_sub(node, endpoint, replay, start_seq)
 
     @property
     def nodes(self) -> list[NodeId]:
@@ -59,28 +90,39 @@ class EventFeeds:
         """Follow ``node``'s events (replacing an earlier subscription of the same node)."""
         nid = NodeId(node)
         await self.unsubscribe(node)
-        keys: CurveClient | None = None
-        if self._keys is not None:
-            keys = self._keys.for_node(node)
-            if keys is None:
-                logger.error(
-                    "KV events for %s not followed: events_curve names no server key for it",
-                    node,
-                )
-                return
+        if self._keys is not None and self._keys.for_node(node) is None:
+            logger.error(
+                "KV events for %s not followed: events_curve names no server key for it", node
+            )
+            return
+        self._endpoints[nid] = (endpoint, replay_endpoint)
+        start_seq = 0
+        if self.leases is not None:
+            start_seq = await self.leases.take(nid) or 0
+        await self._start_sub(nid, endpoint, replay_endpoint, start_seq)
 
+    async def _start_sub(
+        self, nid: NodeId, endpoint: str, replay_endpoint: str | None, start_seq: int
+    ) -> None:
+        old = self._subs.pop(nid, None)
+        if old is not None:
+            await old.close()
         delivered = False
+        leases = self.leases
 
         async def on_batch(batch: EventBatch) -> None:
             nonlocal delivered
             delivered = True
-            await self._apply(nid, batch)
+            if leases is None:
+                await self._apply(nid, batch, None)
+            elif leases.holds(nid):
+                await self._apply(nid, batch, sub.next_seq - 1)
 
         async def on_reset() -> None:
-            if self._shared and not delivered:
-                logger.info(
-                    "KV events for %s: joining late; the shared index keeps its state", node
-                )
+            if leases is not None and not leases.holds(nid):
+                return  # the writer of this stream handles it
+            if leases is None and self._shared and not delivered:
+                logger.info("KV events for %s: joining late; the shared index keeps its state", nid)
                 return
             await self._forget(nid)
 
@@ -90,25 +132,40 @@ class EventFeeds:
             on_batch=on_batch,
             on_reset=on_reset,
             replay_timeout_s=self._replay_timeout_s,
-            name=f"{node}@{endpoint}",
-            curve=keys,
+            name=f"{nid}@{endpoint}",
+            curve=self._keys.for_node(nid) if self._keys is not None else None,
+            start_seq=start_seq,
         )
         self._subs[nid] = sub
         await sub.start()
 
     async def unsubscribe(self, node: str) -> None:
-        sub = self._subs.pop(NodeId(node), None)
+        nid = NodeId(node)
+        self._endpoints.pop(nid, None)
+        sub = self._subs.pop(nid, None)
         if sub is not None:
             await sub.close()
+        if self.leases is not None:
+            await self.leases.drop(nid)
 
     async def close(self) -> None:
+        task, self._lease_task = self._lease_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         for node in list(self._subs):
             await self.unsubscribe(node)
 
-    async def _apply(self, node: NodeId, batch: EventBatch) -> None:
+    async def _apply(self, node: NodeId, batch: EventBatch, seq: int | None) -> None:
         try:
-            await self._index.apply(node, batch)
+            if self.leases is None or seq is None:
+                await self._index.apply(node, batch)
+            else:
+                await self.leases.apply(node, batch, seq)
         except ResidencyError as exc:
+            if self.leases is not None and "NOTOWNER" in str(exc):
+                self.leases.lost(node)
+                return
             if node not in self._failing:
                 logger.warning("KV events for %s not applied (%s)", node, exc)
             self._failing.add(node)

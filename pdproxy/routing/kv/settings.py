@@ -134,6 +134,13 @@ class KvRouterSettings(BaseModel):
         description="a proxy replica whose heartbeat is older than this no longer "
         "counts in shared load",
     )
+    event_lease_ttl_s: float = Field(
+        default=3.0,
+        gt=0.0,
+        description="shared mode: one replica writes each worker's KV events under a lease of "
+        "this TTL (renewed every third of it); when that replica dies another takes the "
+        "stream over within about 1.3x this",
+    )
     events: dict[str, str] = Field(
         default_factory=dict, description="backend name -> its KV event endpoint (ZMQ PUB)"
     )

@@ -18,24 +18,25 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
-
+from kvtier.residency.redis_client import RedisClient, hash_tag
 from pdproxy.routing.kv.load import LoadDelta, NodeLoad
 
+# One HMGET per live replica (not per node): a decision over a thousand candidates stays a few
+# commands inside Redis.
 _READ = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
 local out = {}
-for i, node in ipairs(ARGV) do
-  local inflight, tokens = 0, 0
-  for _, r in ipairs(live) do
-    local v = redis.call('HMGET', KEYS[2], r .. '|if|' .. node, r .. '|pt|' .. node)
-    inflight = inflight + (tonumber(v[1]) or 0)
-    tokens = tokens + (tonumber(v[2]) or 0)
+for i = 1, 2 * #ARGV do out[i] = 0 end
+for _, r in ipairs(live) do
+  local fields = {}
+  for i, node in ipairs(ARGV) do
+    fields[2 * i - 1] = r .. '|if|' .. node
+    fields[2 * i] = r .. '|pt|' .. node
   end
-  out[2 * i - 1] = inflight
-  out[2 * i] = tokens
+  local v = redis.call('HMGET', KEYS[2], unpack(fields))
+  for i = 1, #fields do out[i] = out[i] + (tonumber(v[i]) or 0) end
 end
 return out
 """
@@ -66,16 +67,12 @@ return 1
 """
 
 
-def hash_tag(prefix: str, model_seed: str) -> str:
-    return "{" + f"{prefix}:{model_seed}" + "}"
-
-
 class RedisLoad:
     """One replica's handle on the shared load counters."""
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         *,
         prefix: str,
         model_seed: str,

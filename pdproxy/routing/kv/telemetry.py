@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdproxy.routing.base import RequestOutcome, RouteDecision
 
 _ROUTE_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -73,3 +77,15 @@ class KvRouterMetrics:
             "KV event batches the index could not apply (the node is forgotten on recovery)",
             registry=r,
         )
+
+
+def observe_drift(
+    metrics: KvRouterMetrics, decision: RouteDecision[Any], outcome: RequestOutcome, mode: str
+) -> None:
+    """Engine-reported cached tokens minus the prediction, for the consumer the router chose."""
+    predicted = decision.predicted_cached_tokens
+    if outcome.cached_tokens is None or predicted is None or not outcome.ok:
+        return
+    if not decision.consumers or outcome.consumer != decision.consumers[0].name:
+        return  # a failover target: the prediction was about another node
+    metrics.cached_tokens_drift.labels(mode).observe(outcome.cached_tokens - predicted)

@@ -14,6 +14,9 @@ from kvtier.keys import BlockHash, BlockHasher
 from kvtier.residency.memory import MemoryIndex
 from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings
 from kvtier.residency.types import ResidencyIndex
+from tests.redis_cluster import redis_cluster_url
+
+__all__ = ["redis_cluster_url"]  # the session's cluster, for the "cluster" index
 
 BLOCK = 4
 MODEL = "contract-model"
@@ -25,26 +28,41 @@ def hasher() -> BlockHasher:
 
 
 def redis_index(
-    url: str, hasher: BlockHasher, deadline_s: float = 2.0, apply_deadline_s: float = 5.0
+    url: str,
+    hasher: BlockHasher,
+    deadline_s: float = 2.0,
+    apply_deadline_s: float = 5.0,
+    **extra: object,
 ) -> RedisIndex:
     """A RedisIndex in a namespace of its own; generous deadlines unless a test sets them."""
-    settings = RedisIndexSettings(
-        url=url,
-        namespace=f"t-{uuid.uuid4().hex[:8]}",
-        deadline_s=deadline_s,
-        apply_deadline_s=apply_deadline_s,
+    settings = RedisIndexSettings.model_validate(
+        {
+            "url": url,
+            "namespace": f"t-{uuid.uuid4().hex[:8]}",
+            "deadline_s": deadline_s,
+            "apply_deadline_s": apply_deadline_s,
+            **extra,
+        }
     )
     return RedisIndex(hasher, settings)
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(
+    params=[
+        "memory",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.redis),
+    ]
+)
 async def index(
     request: pytest.FixtureRequest, hasher: BlockHasher
 ) -> AsyncIterator[ResidencyIndex]:
     if request.param == "memory":
         idx: ResidencyIndex = MemoryIndex(hasher)
-    else:
+    elif request.param == "redis":
         idx = redis_index(request.getfixturevalue("redis_url"), hasher)
+    else:
+        idx = redis_index(request.getfixturevalue("redis_cluster_url"), hasher)
     try:
         yield idx
     finally:

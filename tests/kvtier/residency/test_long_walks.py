@@ -146,13 +146,13 @@ async def test_predictions_of_a_retired_slot_are_swept(redis_url: str) -> None:
         await idx.predict(a, hashes[:40], ttl_s=60)
         await idx.predict(b, hashes[:20], ttl_s=60)
         await idx.predict(b, hashes[:20], ttl_s=60)  # replaces b's entries, adds none
-        key = idx._prefix + b"p:" + hashes[0]
+        key = idx.keys.p + hashes[0]
         assert len(await client.get(key)) == 2 * 16  # type: ignore[arg-type]
         await idx.forget(a)
         assert await idx.match(hashes) == {b: Match(predicted=20)}
         assert await idx.sweep() == 1
         assert len(await client.get(key)) == 16  # type: ignore[arg-type]
-        assert not await client.exists(idx._prefix + b"p:" + hashes[30])
+        assert not await client.exists(idx.keys.p + hashes[30])
         await idx.predict(late, hashes[:5], ttl_s=60)  # takes the freed slot
         assert await idx.match(hashes) == {b: Match(predicted=20), late: Match(predicted=5)}
     finally:

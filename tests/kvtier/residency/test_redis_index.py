@@ -10,7 +10,9 @@ from redis.asyncio import Redis
 
 from kvtier.errors import ResidencyUnavailable
 from kvtier.keys import BlockHasher
-from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings, hash_tag
+from kvtier.residency.redis_client import hash_tag
+from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings
+from kvtier.residency.redis_layout import holders
 from kvtier.residency.types import Match, NodeId
 
 from .conftest import BLOCK, FakeEngine, batch, redis_index
@@ -155,7 +157,7 @@ async def test_stopped_redis_fails_fast_and_resyncs(own_redis, hasher: BlockHash
 
 
 async def test_retired_slots_are_swept_then_reused(redis_url: str, hasher: BlockHasher) -> None:
-    idx = redis_index(redis_url, hasher)
+    idx = redis_index(redis_url, hasher, max_node_slots=26)
     eng = FakeEngine()
     many = [NodeId(f"n{i:02d}") for i in range(26)]
     hashes = hasher.hash_tokens(TOKENS)
@@ -178,11 +180,10 @@ async def test_retired_slots_are_swept_then_reused(redis_url: str, hasher: Block
         assert set(result) == {late, *many[3:]}
         client = Redis.from_url(redis_url)
         try:
-            live = sum(1 << int(s) for s in await client.hvals(idx._slots))
+            live = {int(s) for s in await client.hvals(idx.keys.slots)}
             for h in hashes[:3]:
-                packed = int(await client.get(idx._prefix + b"r:" + h) or 0)
-                gpu_mask = packed % (1 << 26)
-                assert gpu_mask and gpu_mask & ~live == 0
+                held = holders(await client.get(idx.keys.r + h))
+                assert held and set(held) <= live  # retired slots were scrubbed
         finally:
             await client.aclose()
     finally:
@@ -203,8 +204,8 @@ async def test_forgets_start_a_background_sweep(redis_url: str, hasher: BlockHas
                 await asyncio.sleep(0.01)
         client = Redis.from_url(redis_url)
         try:
-            assert await client.scard(idx._retired) == 0
-            assert not await client.exists(idx._prefix + b"r:" + hasher.hash_tokens(TOKENS)[0])
+            assert await client.scard(idx.keys.retired) == 0
+            assert not await client.exists(idx.keys.r + hasher.hash_tokens(TOKENS)[0])
         finally:
             await client.aclose()
     finally:

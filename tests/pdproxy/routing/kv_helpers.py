@@ -39,11 +39,11 @@ def text_request(text: str, rid: str | None = None) -> RouteRequest:
     return RouteRequest(rid or uuid.uuid4().hex, "completions", {"model": "m", "prompt": text})
 
 
-def stored(text: str, medium: str = "GPU") -> EventBatch:
+def stored(text: str, medium: str = "GPU", seed: str = SEED) -> EventBatch:
     """The event a byte-tokenizing engine publishes after caching ``text``'s full blocks."""
     tokens = list(text.encode())
     tokens = tokens[: len(tokens) // BS * BS]
-    hashes = HASHER.hash_tokens(tokens)
+    hashes = (HASHER if seed == SEED else BlockHasher(seed, BS)).hash_tokens(tokens)
     return EventBatch(0.0, (BlockStored(tuple(hashes), None, tuple(tokens), BS, None, medium),))
 
 

@@ -45,7 +45,7 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.
 
 
 async def held(router: KvRouter, node: str, text: str) -> int:
-    m = (await router._index.match(HASHER.hash_tokens(list(text.encode())))).get(NodeId(node))
+    m = (await router.state.index.match(HASHER.hash_tokens(list(text.encode())))).get(NodeId(node))
     return 0 if m is None else m.total
 
 

@@ -18,8 +18,10 @@ from kvtier.residency.types import NodeId
 from pdproxy.errors import NoBackendAvailable
 from pdproxy.routing.base import RequestOutcome, RouteRequest
 from pdproxy.routing.explain_header import route_explain_value
+from pdproxy.routing.kv.load import NodeLoad
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import CostWeights, KvRouterSettings, LocalPrefillThresholds
+from pdproxy.routing.kv.state import LocalState
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
 from pdproxy.tokenize.base import OffLoopTokenizer
 from pdproxy.tokenize.byte_level import ByteEncoder
@@ -36,7 +38,7 @@ ALWAYS_PD = SETTINGS.model_copy(
 def make_router(settings: KvRouterSettings = SETTINGS, tokenizer: object = None) -> KvRouter:
     return KvRouter(
         settings,
-        index=MemoryIndex(BlockHasher(settings.model_seed, settings.block_size)),
+        state=LocalState(MemoryIndex(BlockHasher(settings.model_seed, settings.block_size))),
         tokenizer=tokenizer or OffLoopTokenizer(ByteEncoder(), 16_384),  # type: ignore[arg-type]
         metrics=KvRouterMetrics(CollectorRegistry()),
     )
@@ -60,7 +62,7 @@ def sample(router: KvRouter, name: str, labels: dict[str, str] | None = None) ->
 async def test_second_request_sharing_a_prefix_goes_to_the_holder(router: KvRouter) -> None:
     producers, consumers = pool(2, 2)
     prefix = prompt_text(1)
-    await router._index.apply(NodeId("p1"), stored(prefix))
+    await router.state.index.apply(NodeId("p1"), stored(prefix))
     d = await router.route(text_request(prefix + " question A"), producers, consumers)
     assert [b.name for b in d.producers] == ["p1", "p0"]
     assert d.reason == "kv-prefix"
@@ -75,17 +77,17 @@ async def test_routing_follows_eviction_events() -> None:
     producers, consumers = pool(2, 1)
     prefix = prompt_text(2)
     try:
-        await router._index.apply(NodeId("p1"), stored(prefix))
+        await router.state.index.apply(NodeId("p1"), stored(prefix))
         d = await router.route(text_request(prefix + "x"), producers, consumers)
         await router.finished(d, RequestOutcome("p1", "c0", ok=True))
         assert d.producers[0].name == "p1"
-        await router._index.apply(NodeId("p1"), removed(prefix))
+        await router.state.index.apply(NodeId("p1"), removed(prefix))
         await asyncio.sleep(0.06)  # the decision's own prediction on p1 expires
         d = await router.route(text_request(prefix + "y"), producers, consumers)
         assert d.producers[0].name == "p0" and d.reason == "load"
         # And back when p1 stores it again.
         await router.finished(d, RequestOutcome("p0", "c0", ok=True))
-        await router._index.apply(NodeId("p1"), stored(prefix, "CPU"))
+        await router.state.index.apply(NodeId("p1"), stored(prefix, "CPU"))
         await asyncio.sleep(0.06)
         d = await router.route(text_request(prefix + "z"), producers, consumers)
         assert d.producers[0].name == "p1" and d.reason == "kv-prefix"
@@ -96,8 +98,8 @@ async def test_routing_follows_eviction_events() -> None:
 async def test_host_tier_counts_less_than_gpu(router: KvRouter) -> None:
     producers, consumers = pool(2, 1)
     prefix = prompt_text(3)
-    await router._index.apply(NodeId("p0"), stored(prefix, "CPU"))
-    await router._index.apply(NodeId("p1"), stored(prefix, "GPU"))
+    await router.state.index.apply(NodeId("p0"), stored(prefix, "CPU"))
+    await router.state.index.apply(NodeId("p1"), stored(prefix, "GPU"))
     d = await router.route(text_request(prefix + "z"), producers, consumers)
     assert d.producers[0].name == "p1"
     rows = {r["name"]: r for r in d.explain["producers"]}
@@ -147,8 +149,8 @@ async def test_load_spreads_identical_cold_requests(router: KvRouter) -> None:
     assert sorted(d.consumers[0].name for d in decisions) == ["c0", "c0", "c1", "c1"]
     for d in decisions:
         await router.finished(d, RequestOutcome(d.producers[0].name, d.consumers[0].name, True))
-    assert router._local.snapshot() == {
-        n: router._local.get("none") for n in router._local.snapshot()
+    assert router.state.local.snapshot() == {
+        n: router.state.local.get("none") for n in router.state.local.snapshot()
     }
 
 
@@ -159,7 +161,7 @@ async def test_overloaded_holder_is_passed_over_by_hot_spot_guard() -> None:
     router = make_router(settings.model_copy(update={"local_prefill": ALWAYS_PD.local_prefill}))
     producers, consumers = pool(2, 1)
     prefix = prompt_text(5)
-    await router._index.apply(NodeId("p0"), stored(prefix))
+    await router.state.index.apply(NodeId("p0"), stored(prefix))
     try:
         chosen = [
             (await router.route(text_request(prefix + str(i)), producers, consumers))
@@ -184,7 +186,7 @@ async def test_short_prompt_goes_to_consumer_alone(router: KvRouter) -> None:
 async def test_consumer_holding_the_prefix_prefills_alone(router: KvRouter) -> None:
     producers, consumers = pool(2, 2)
     prefix = prompt_text(6, length=4096)
-    await router._index.apply(NodeId("c1"), stored(prefix))
+    await router.state.index.apply(NodeId("c1"), stored(prefix))
     d = await router.route(text_request(prefix + "tail"), producers, consumers)
     assert d.consumers[0].name == "c1" and d.producers == []
     assert d.reason in ("short-suffix", "consumer-holds-prefix")
@@ -231,12 +233,12 @@ async def test_no_routable_consumer_raises(router: KvRouter) -> None:
 async def test_finished_releases_load_and_records_drift(router: KvRouter) -> None:
     producers, consumers = pool(1, 1)
     prefix = prompt_text(8, length=1024)
-    await router._index.apply(NodeId("c0"), stored(prefix))
+    await router.state.index.apply(NodeId("c0"), stored(prefix))
     d = await router.route(text_request(prefix + "abc"), producers, consumers)
     assert d.producers == [] and d.predicted_cached_tokens == 1024
-    assert router._local.get("c0").in_flight == 1 and router._local.get("c0").queued_tokens == 3
+    assert router.state.local.get("c0") == NodeLoad(1, 3)
     await router.finished(d, RequestOutcome(None, "c0", ok=True, cached_tokens=992))
-    assert router._local.get("c0").in_flight == 0 and router._local.get("c0").queued_tokens == 0
+    assert router.state.local.get("c0") == NodeLoad(0, 0)
     labels = {"mode": "alone"}
     assert sample(router, "pdproxy_kv_router_cached_tokens_drift_count", labels) == 1
     # 992 reported - 1024 predicted = -32 (the histogram has no _sum: it has negative buckets).
@@ -245,7 +247,7 @@ async def test_finished_releases_load_and_records_drift(router: KvRouter) -> Non
     assert sample(router, bucket, {**labels, "le": "-128.0"}) == 0
     # Exactly once per decision: a second call changes nothing and does not raise.
     await router.finished(d, RequestOutcome(None, "c0", ok=True, cached_tokens=992))
-    assert router._local.get("c0").in_flight == 0
+    assert router.state.local.get("c0").in_flight == 0
     assert sample(router, "pdproxy_kv_router_cached_tokens_drift_count", labels) == 1
 
 
@@ -262,7 +264,7 @@ async def test_debug_log_line_explains_the_decision(
 async def test_token_id_prompts_match_text_prompts(router: KvRouter) -> None:
     producers, consumers = pool(2, 1)
     prefix = prompt_text(11)
-    await router._index.apply(NodeId("p1"), stored(prefix))
+    await router.state.index.apply(NodeId("p1"), stored(prefix))
     ids = list((prefix + "?").encode())
     d = await router.route(
         RouteRequest(uuid.uuid4().hex, "completions", {"prompt": ids}), producers, consumers
@@ -274,7 +276,7 @@ async def test_chat_requests_hash_the_rendered_template(router: KvRouter) -> Non
     producers, consumers = pool(2, 1)
     system = prompt_text(12)
     rendered = f"<|system|>\n{system}\n<|user|>\nhi\n<|assistant|>\n"
-    await router._index.apply(NodeId("p1"), stored(rendered))
+    await router.state.index.apply(NodeId("p1"), stored(rendered))
     body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
     d = await router.route(RouteRequest(uuid.uuid4().hex, "chat", body), producers, consumers)
     assert d.producers[0].name == "p1"
@@ -300,7 +302,7 @@ class BrokenIndex(MemoryIndex):
 async def test_unexpected_index_failure_routes_by_load() -> None:
     router = KvRouter(
         SETTINGS,
-        index=BrokenIndex(BlockHasher(SEED, BS)),
+        state=LocalState(BrokenIndex(BlockHasher(SEED, BS))),
         tokenizer=OffLoopTokenizer(ByteEncoder(), 16_384),
         metrics=KvRouterMetrics(CollectorRegistry()),
     )
@@ -310,7 +312,7 @@ async def test_unexpected_index_failure_routes_by_load() -> None:
         assert d.reason == "load-only" and d.explain["index"] == "fallback"
         assert d.producers and d.consumers
         await router.finished(d, RequestOutcome(None, None, ok=False))
-        assert router._local.get(d.consumers[0].name).in_flight == 0
+        assert router.state.local.get(d.consumers[0].name).in_flight == 0
     finally:
         await router.close()
 
@@ -333,7 +335,7 @@ async def test_routing_work_is_capped_to_a_prefix() -> None:
     producers, consumers = pool(2, 1)
     long_text = prompt_text(40)
     try:
-        await router._index.apply(NodeId("p1"), stored(long_text))
+        await router.state.index.apply(NodeId("p1"), stored(long_text))
         d = await router.route(text_request(long_text), producers, consumers)
     finally:
         await router.close()

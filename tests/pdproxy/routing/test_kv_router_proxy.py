@@ -40,9 +40,10 @@ async def test_proxy_routes_to_the_producer_its_events_name(
         running = await proxy(kv_settings(backends, prediction_ttl_s=0.05))
         router = running.state.router
         assert isinstance(router, KvRouter)
-        hashes = router._hasher.hash_tokens(list(prefix.encode()))
+        hashes = router.hasher.hash_tokens(list(prefix.encode()))
         deadline = time.monotonic() + 5
-        while "p1" not in await router._index.match(hashes):  # the registry's endpoint is followed
+        # The registry's endpoint is followed:
+        while "p1" not in await router.state.index.match(hashes):
             assert time.monotonic() < deadline, "events never arrived"
             await pub.publish(stored(prefix))
             await asyncio.sleep(0.05)

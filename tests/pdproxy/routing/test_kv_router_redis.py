@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvtier.events import EventPublisher
+from kvtier.events import EventBatch, EventPublisher
 from kvtier.residency.types import NodeId
 from pdproxy.routing.base import RequestOutcome
 from pdproxy.routing.kv.build import build_kv_router
@@ -17,15 +17,26 @@ from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.store_guard import BreakerState
 from tests.conftest import RedisServer
+from tests.redis_cluster import redis_cluster_url
 
 from .kv_helpers import BS, SEED, pool, prompt_text, stored, text_request
 
 pytestmark = pytest.mark.redis
+__all__ = ["redis_cluster_url"]  # the session's cluster fixture
 
 
 def settings_for(url: str, **extra: object) -> KvRouterSettings:
     base = {"model_seed": SEED, "block_size": BS, "index_url": url, "redis_deadline_s": 0.05}
     return KvRouterSettings.model_validate({**base, **extra})
+
+
+async def write_events(router: KvRouter, node: NodeId, batch: EventBatch) -> None:
+    """Apply ``batch`` as the writer of ``node``'s stream (taking its lease first)."""
+    leases = router.state.leases
+    assert leases is not None
+    await leases.take(node)
+    assert leases.holds(node)
+    await leases.apply(node, batch, seq=0)
 
 
 @pytest.fixture
@@ -52,7 +63,7 @@ async def test_two_replicas_make_the_same_choice_and_share_load(
     await b.start()
     producers, consumers = pool(3, 2)
     prefix = prompt_text(1)
-    await a._index.apply(NodeId("p2"), stored(prefix))  # events applied by one replica
+    await write_events(a, NodeId("p2"), stored(prefix))  # events applied by one replica
     da = await a.route(text_request(prefix + "q1"), producers, consumers)
     assert da.explain["index"] == "redis"
     assert da.producers[0].name == "p2" and da.reason == "kv-prefix"
@@ -104,7 +115,7 @@ async def test_redis_killed_mid_run_falls_back_and_recovers(
     await router.start()
     producers, consumers = pool(2, 2)
     prefix = prompt_text(5)
-    await router._index.apply(NodeId("p1"), stored(prefix))
+    await write_events(router, NodeId("p1"), stored(prefix))
     sources: list[str] = []
     slowest_after_kill = 0.0
     killed_at: float | None = None
@@ -147,7 +158,7 @@ async def test_redis_killed_mid_run_falls_back_and_recovers(
     assert router.breaker_state is BreakerState.CLOSED
     assert router.metrics.registry.get_sample_value("pdproxy_kv_router_shared_state_up") == 1
     # Residency rebuilt from events after the restart.
-    await router._index.apply(NodeId("p1"), stored(prefix))
+    await write_events(router, NodeId("p1"), stored(prefix))
     d = await router.route(text_request(prefix + "again"), producers, consumers)
     assert d.producers[0].name == "p1" and d.reason == "kv-prefix"
 
@@ -184,9 +195,9 @@ async def test_late_replica_joining_events_keeps_the_shared_state(
         early = make_router(settings_for(redis_url, **feeds))
         await early.start()
         producers, consumers = pool(2, 1)
-        hashes = early._hasher.hash_tokens(list(prefix.encode()))
+        hashes = early.hasher.hash_tokens(list(prefix.encode()))
         deadline = time.monotonic() + 5
-        while NodeId("p1") not in await early._index.match(hashes):
+        while NodeId("p1") not in await early.state.index.match(hashes):
             assert time.monotonic() < deadline, "events never arrived"
             await pub.publish(stored(prefix))  # PUB/SUB joins late: republish until applied
             await asyncio.sleep(0.05)
@@ -202,3 +213,31 @@ async def test_late_replica_joining_events_keeps_the_shared_state(
             await asyncio.sleep(0.02)
         d = await late.route(text_request(prefix + "?"), producers, consumers)
         assert d.producers[0].name == "p1" and d.reason == "kv-prefix"
+
+
+async def test_two_replicas_share_state_over_a_redis_cluster(
+    redis_cluster_url: str, make_router: Callable[[KvRouterSettings], KvRouter]
+) -> None:
+    """The same sharing over a real 3-master Redis Cluster (``redis+cluster://``)."""
+    # A generous deadline: a cluster client discovers the slots on its first call.
+    cluster = settings_for(redis_cluster_url, model_seed="clu}ster{", redis_deadline_s=1.0)
+    a, b = make_router(cluster), make_router(cluster)
+    await a.start()
+    await b.start()
+    producers, consumers = pool(3, 2)
+    prefix = prompt_text(11)
+    await write_events(a, NodeId("p2"), stored(prefix, seed="clu}ster{"))
+    da = await a.route(text_request(prefix + "q1"), producers, consumers)
+    assert da.explain["index"] == "redis"
+    assert da.producers[0].name == "p2" and da.reason == "kv-prefix"
+    # b sees a's residency and prediction, and a's load.
+    hashes = b.hasher.hash_tokens(list(prefix.encode()))
+    seen = await b.state.observe(hashes, ["p2", da.consumers[0].name])
+    assert seen.source == "redis" and seen.matches is not None
+    assert seen.matches[NodeId("p2")].total == len(prefix) // BS
+    assert seen.matches[NodeId(da.consumers[0].name)].predicted == len(prefix) // BS
+    assert seen.loads["p2"].in_flight == 1
+    db = await b.route(text_request(prefix + "q2"), producers, consumers)
+    assert db.explain["index"] == "redis"
+    await a.finished(da, RequestOutcome(None, None, ok=True))
+    await b.finished(db, RequestOutcome(None, None, ok=True))

@@ -148,8 +148,8 @@ async def cluster(**router_options: Any) -> AsyncIterator[Cluster]:
 
 
 async def holds(router: KvRouter, node: str, prompt: str, blocks: int) -> bool:
-    hashes = router._hasher.hash_tokens(list(prompt.encode()))
-    m = (await router._index.match(hashes)).get(NodeId(node))
+    hashes = router.hasher.hash_tokens(list(prompt.encode()))
+    m = (await router.state.index.match(hashes)).get(NodeId(node))
     return m is not None and m.total >= blocks
 
 
@@ -227,8 +227,8 @@ async def test_consumer_that_holds_the_prefix_serves_alone_and_telemetry_agrees(
 
 
 async def gpu_below(router: KvRouter, node: str, prompt: str, blocks: int) -> bool:
-    hashes = router._hasher.hash_tokens(list(prompt.encode()))
-    m = (await router._index.match(hashes)).get(NodeId(node))
+    hashes = router.hasher.hash_tokens(list(prompt.encode()))
+    m = (await router.state.index.match(hashes)).get(NodeId(node))
     return m is not None and m.gpu < blocks
 
 

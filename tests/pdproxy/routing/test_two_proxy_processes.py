@@ -213,9 +213,9 @@ async def test_residency_heard_by_one_proxy_routes_the_other(
             a = procs.proxy("proxy-a", proxy_config([*plain, heard], redis_url), wait=False)
             b = procs.proxy("proxy-b", proxy_config([*plain, silent], redis_url), wait=False)
             await asyncio.gather(wait_healthy(a), wait_healthy(b))
-            hashes = observer._hasher.hash_tokens(list(prefix.encode()))
+            hashes = observer.hasher.hash_tokens(list(prefix.encode()))
             deadline = time.monotonic() + 10
-            while NodeId("p1") not in await observer._index.match(hashes):
+            while NodeId("p1") not in await observer.state.index.match(hashes):
                 assert time.monotonic() < deadline, f"events never reached Redis:\n{a.log_tail()}"
                 await pub.publish(stored(prefix))  # PUB/SUB joins late: republish until applied
                 await asyncio.sleep(0.05)

@@ -1,0 +1,156 @@
+""":class:`~pdproxy.routing.kv.state.RouterState` shared by proxy replicas through Redis.
+
+Residency and predictions live in a :class:`~kvtier.residency.redis_index.RedisIndex`, load in
+:class:`~pdproxy.routing.kv.shared_load.RedisLoad`; every call from a decision runs under one
+:class:`~pdproxy.routing.kv.store_guard.StoreGuard` (the one deadline and the breaker). When the
+store fails, :meth:`SharedState.observe` answers with this replica's own load and no matches
+(``source="fallback"``), so the decision still answers. A heartbeat keeps this replica's load
+counted and rewrites it from the local view (healing charges lost while Redis was away); the
+first successful call after an outage triggers one at once. Event streams are written by one
+replica each, under :class:`~pdproxy.routing.kv.stream_leases.StreamLeases`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from kvtier.errors import ResidencyError
+from kvtier.keys import BlockHash
+from kvtier.residency.types import Match, NodeId, ResidencyIndex
+from pdproxy.breaker import BreakerState
+from pdproxy.routing.kv.load import LoadDelta, MemoryLoad, NodeLoad
+from pdproxy.routing.kv.shared_load import RedisLoad
+from pdproxy.routing.kv.state import Observation, Prediction
+from pdproxy.routing.kv.store_guard import StoreGuard
+from pdproxy.routing.kv.stream_leases import StreamLeases
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class SharedState:
+    shared = True
+
+    def __init__(
+        self,
+        index: ResidencyIndex,
+        load: RedisLoad,
+        guard: StoreGuard,
+        *,
+        heartbeat_s: float,
+        leases: StreamLeases | None = None,
+    ) -> None:
+        self._index = index
+        self._leases = leases
+        self._load = load
+        self._guard = guard
+        self._local = MemoryLoad()
+        self._heartbeat_s = heartbeat_s
+        self._resync = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        guard.on_recovered = self._resync.set
+
+    @property
+    def index(self) -> ResidencyIndex:
+        return self._index
+
+    @property
+    def local(self) -> MemoryLoad:
+        return self._local
+
+    @property
+    def replica(self) -> str:
+        return self._load.replica
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        return self._guard.state
+
+    @property
+    def leases(self) -> StreamLeases | None:
+        return self._leases
+
+    async def _store(self, fn: Callable[[], Awaitable[T]], what: str) -> T:
+        return await self._guard.call(fn, what)
+
+    async def start(self) -> None:
+        await self._heartbeat_once()
+        self._task = asyncio.create_task(self._heartbeat_loop(), name="kv-router heartbeat")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        with contextlib.suppress(ResidencyError):
+            await self._store(self._load.leave, "leave")
+        await self._index.close()
+
+    async def observe(
+        self, hashes: Sequence[BlockHash] | None, names: Sequence[str]
+    ) -> Observation:
+        # The load read runs as a task while the match runs inline: two round trips in flight,
+        # one task created.
+        load = self._load
+        load_task = asyncio.ensure_future(self._store(lambda: load.read(names), "load"))
+        failed = False
+        matches: dict[NodeId, Match] | None = None
+        try:
+            if hashes is not None:
+                matches = await self._store(lambda: self._index.match(hashes), "match")
+        except ResidencyError:
+            failed = True
+        except BaseException:
+            load_task.cancel()
+            await asyncio.gather(load_task, return_exceptions=True)
+            raise
+        loads: dict[str, NodeLoad]
+        try:
+            loads = await load_task
+        except ResidencyError:
+            failed = True
+            loads = {n: self._local.get(n) for n in names}
+        if failed:
+            return Observation(None, loads, "fallback")
+        return Observation(matches, loads, "redis")
+
+    async def record(
+        self, deltas: Sequence[LoadDelta], predictions: Sequence[Prediction], ttl_s: float
+    ) -> bool:
+        self._local.apply(deltas)
+        load = self._load
+        calls: list[Awaitable[None]] = [self._store(lambda: load.add(deltas), "charge load")]
+        for p in predictions:
+            calls.append(self._store(self._predictor(p, ttl_s), "predict"))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, ResidencyError):
+                raise r
+        return not isinstance(results[0], BaseException)
+
+    def _predictor(self, p: Prediction, ttl_s: float) -> Callable[[], Awaitable[None]]:
+        return lambda: self._index.predict(p.node, p.hashes, ttl_s)
+
+    async def release(self, deltas: Sequence[LoadDelta], recorded: bool) -> None:
+        self._local.apply(deltas)
+        if recorded:
+            load = self._load
+            with contextlib.suppress(ResidencyError):
+                await self._store(lambda: load.add(deltas), "release load")
+
+    async def _heartbeat_once(self) -> None:
+        load = self._load
+        with contextlib.suppress(ResidencyError):
+            await self._store(lambda: load.heartbeat(self._local.snapshot()), "heartbeat")
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._resync.wait(), self._heartbeat_s)
+            self._resync.clear()
+            await self._heartbeat_once()
