@@ -64,20 +64,20 @@ async def test_each_model_follows_only_its_backends_events(
         running = await proxy(settings(backends, options={"prediction_ttl_s": 0.05}))
         alpha = model_router(running.state.router, "alpha")
         beta = model_router(running.state.router, "beta")
-        hashes_a = alpha._hasher.hash_tokens(list(prefix.encode()))
-        hashes_b = beta._hasher.hash_tokens(list(prefix.encode()))
+        hashes_a = alpha.hasher.hash_tokens(list(prefix.encode()))
+        hashes_b = beta.hasher.hash_tokens(list(prefix.encode()))
         assert not set(hashes_a) & set(hashes_b)  # one prompt, two models: no shared hash
         deadline = time.monotonic() + 5
         # The engines publish with their own hashes; the routers re-hash the token ids.
-        while NodeId("pa1") not in await alpha._index.match(hashes_a) or NodeId(
+        while NodeId("pa1") not in await alpha.state.index.match(hashes_a) or NodeId(
             "pb0"
-        ) not in await beta._index.match(hashes_b):
+        ) not in await beta.state.index.match(hashes_b):
             assert time.monotonic() < deadline, "events never arrived"
             await pub_a.publish(stored(prefix))
             await pub_b.publish(stored(prefix))
             await asyncio.sleep(0.05)
-        assert set(await alpha._index.match(hashes_a)) == {NodeId("pa1")}
-        assert set(await beta._index.match(hashes_b)) == {NodeId("pb0")}
+        assert set(await alpha.state.index.match(hashes_a)) == {NodeId("pa1")}
+        assert set(await beta.state.index.match(hashes_b)) == {NodeId("pb0")}
         async with running.client() as client:
             for i in range(3):
                 body = {"model": "alpha", "prompt": prefix + f" q{i}", "max_tokens": 2}
@@ -121,10 +121,10 @@ async def test_seeds_block_sizes_and_adapters_per_model(
     style = model_router(router, "style")
     alpha = model_router(router, "alpha")
     ids = list(prompt.encode())
-    assert NodeId("ca") in await alpha._index.match(alpha._hasher.hash_tokens(ids))
+    assert NodeId("ca") in await alpha.state.index.match(alpha.hasher.hash_tokens(ids))
     style_hashes = BlockHasher("top/model=alpha/lora=style", BS).hash_tokens(ids)
-    assert await style._index.match(style_hashes) != {}  # its own prediction
-    assert await alpha._index.match(style_hashes) == {}
+    assert await style.state.index.match(style_hashes) != {}  # its own prediction
+    assert await alpha.state.index.match(style_hashes) == {}
 
 
 def test_two_models_with_one_seed_are_refused() -> None:
@@ -183,9 +183,9 @@ async def test_models_never_share_keys_in_redis(
     router = running.state.router
     alpha, beta = model_router(router, "alpha"), model_router(router, "beta")
     ids = list(prompt.encode())
-    assert set(await alpha._index.match(alpha._hasher.hash_tokens(ids))) == {NodeId("ca")}
-    assert set(await beta._index.match(beta._hasher.hash_tokens(ids))) == {NodeId("cb")}
-    assert await beta._index.match(alpha._hasher.hash_tokens(ids)) == {}
+    assert set(await alpha.state.index.match(alpha.hasher.hash_tokens(ids))) == {NodeId("ca")}
+    assert set(await beta.state.index.match(beta.hasher.hash_tokens(ids))) == {NodeId("cb")}
+    assert await beta.state.index.match(alpha.hasher.hash_tokens(ids)) == {}
     client = aioredis.from_url(redis_url)
     try:
         keys: list[bytes] = await client.keys("*")
