@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from dataclasses import dataclass
 
 from kvtier.errors import ProtocolError
 from kvtier.keys import OffloadKey
@@ -62,6 +63,19 @@ def is_loopback(address: object) -> bool:
         return False
     mapped = getattr(ip, "ipv4_mapped", None)
     return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+@dataclass(frozen=True, slots=True)
+class UnverifiedPayload:
+    """A block payload received into its destination, not yet checked against its tag."""
+
+    opener: PageOpener
+    dest: memoryview
+    tag: PageTag
+
+    def verify(self) -> None:
+        """IntegrityError unless ``dest`` holds the bytes the producer tagged (any thread)."""
+        self.opener.verify(self.dest, self.tag, "block payload")
 
 
 class FrameChannel:
@@ -188,6 +202,13 @@ class FrameChannel:
         """Receive the announced payload straight into ``dest`` (exactly its size), then verify
         it against the header's page tag; IntegrityError means ``dest`` holds bytes nobody may
         use."""
+        (await self.receive_payload_into(dest)).verify()
+
+    async def receive_payload_into(self, dest: memoryview) -> UnverifiedPayload:
+        """Receive the announced payload straight into ``dest`` (exactly its size), without
+        verifying it: nobody may use ``dest`` before the answer's :meth:`~UnverifiedPayload.
+        verify` returned (the client runs it on a worker thread, overlapping the next receive).
+        """
         header = self._take_pending(len(dest))
         page_opener = self._page_opener
         if page_opener is None:
@@ -203,7 +224,7 @@ class FrameChannel:
             if n == 0:
                 raise PeerClosed(f"connection closed inside a {total}-byte payload")
             got += n
-        page_opener.verify(dest, PageTag(header.nonce, header.mac), "block payload")
+        return UnverifiedPayload(page_opener, dest, PageTag(header.nonce, header.mac))
 
     async def discard_payload(self, nbytes: int) -> None:
         """Read and drop the announced payload (the receiver cannot use it), in bounded chunks.
