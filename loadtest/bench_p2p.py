@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import uvloop
 from pydantic import SecretStr
 
 from kvtier.keys import BlockHasher, OffloadKey, offload_key
@@ -55,6 +56,7 @@ from kvtier.p2p.sealing import Sealer
 from kvtier.pages import CopyDirection, DevicePages, HostPages, PageCopier
 
 GIB = 1 << 30
+new_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
 _SOCKET_BUFFER = 4 << 20
 
 
@@ -148,7 +150,7 @@ class Producer:
         self.tier = P2PTier(self.pool, self.registry, fingerprint)
         self.manager = TieringManager(self.pool, [self.tier])
         identity = LocalIdentity.from_settings("producer", fingerprint, settings)
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.server = P2PServer(settings, identity, self.registry)
@@ -304,9 +306,20 @@ def main() -> None:
     parser.add_argument("--token-kib", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="event loop of both ends (the worker runs under uvicorn, which picks uvloop)",
+    )
     args = parser.parse_args()
     shape = Shape(args.tokens, args.token_kib * 1024, args.block_size)
-    asyncio.run(run(shape, max(args.repeat, 1)))
+    global new_loop
+    if args.loop == "asyncio":
+        new_loop = asyncio.new_event_loop
+    print(f"event loop: {args.loop}")
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(run(shape, max(args.repeat, 1)))
 
 
 if __name__ == "__main__":
