@@ -89,6 +89,24 @@ async def test_payload_with_a_wrong_mac_is_not_installed() -> None:
     pair.assert_baseline()
 
 
+async def test_forged_page_mid_fetch_installs_only_the_pages_before_it() -> None:
+    """Pages are verified off the loop, in batches: a forged page in the middle of a longer
+    fetch still ends the prefix exactly there; nothing after it becomes readable."""
+
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        for key in fetch.keys[:5]:
+            await good_block(channel, key)
+        forged = BlockHeader(fetch.keys[5], PAGE, b"\x01" * 16)
+        await forged_block(channel, forged, payload(fetch.keys[5]))
+        for key in fetch.keys[6:]:
+            await good_block(channel, key)
+
+    pair, result = await run_against(script, n=12)
+    assert result.usable == 5 and "block payload failed authentication" in (result.reason or "")
+    assert pair.consumer_pool.stats().readable == 5
+    pair.assert_baseline()
+
+
 async def _corrupt_header(channel: FrameChannel, fetch: Fetch, **change: object) -> None:
     await good_block(channel, fetch.keys[0])
     fields = {"key": fetch.keys[1], "nbytes": PAGE, "mac": bytes(16)} | change
