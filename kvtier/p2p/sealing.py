@@ -28,10 +28,11 @@ itself a control frame MACed under the session key. The page key reaches the con
 ``welcome`` frame, encrypted with AES-256-GCM under a fifth session output (the *wrap key*), so
 only the two ends of an authenticated session learn it: a relay or an on-path attacker without
 the secret can neither read it nor swap it. The consumer verifies every payload it installs
-(:class:`PageOpener`) against the tag from that authenticated header; changing one payload byte,
-or a payload together with its tag, fails. What an attacker without the secret can do with
-another page's bytes and tag (both seen on the wire) is replay them, and the header binds the
-tag to one key: an old header cannot be replayed either (session sequence numbers).
+(:class:`PageOpener`) against the tag from that authenticated header; changing one payload byte
+fails, and the tag itself cannot be changed (the header's session MAC), nor an old header
+replayed (session sequence numbers). The page key is shared by every session of the producer:
+every holder of the secret can already serve pages, so it reveals nothing new to a peer; to
+one without the secret it is never visible.
 
 Why GMAC: measured on the project's machine (AMD EPYC, AES-NI/VAES/PCLMUL) over 512 KiB pages,
 in one thread: AES-GCM as a MAC 8-19 GiB/s, ChaCha20-Poly1305 7-12, Poly1305 5-10, BLAKE3 5
