@@ -54,6 +54,9 @@ def _verify_batch(batch: list[_Received]) -> _Verdict:
             received.payload.verify()
         except IntegrityError as exc:
             return _Verdict(i, str(exc))
+        except Exception as exc:  # a bug must not install the page, nor hang the fetch
+            logger.exception("p2p page verification failed unexpectedly")
+            return _Verdict(i, f"page verification failed: {type(exc).__name__}")
     return _Verdict(None)
 
 
@@ -122,7 +125,11 @@ class PendingInstalls:
     def _start(self) -> None:
         self._batch, self._queued = self._queued, []
         self._idle.clear()
-        running = self._executor.submit(_verify_batch, self._batch)
+        try:
+            running = self._executor.submit(_verify_batch, self._batch)
+        except RuntimeError:  # the client was closed during this fetch: verify on the loop
+            running = concurrent.futures.Future()
+            running.set_result(_verify_batch(self._batch))
         self._running = running
         loop = self._loop
 
