@@ -34,9 +34,13 @@ then fail until it stops; consumers recompute meanwhile (slower, never wrong).
 fingerprint and the version; the session keys (HKDF-SHA256, one per direction) are derived from
 the same transcript. A captured handshake cannot be replayed (fresh nonces). A peer that relays
 a consumer's handshake to the real producer (the relay attack) gets an authenticated session it
-cannot use: every frame after ``welcome`` and every block payload carries a GMAC under a key it
-does not know, with a per-direction sequence number, so it cannot forge, alter, replay, reorder,
-drop or reflect anything without the consumer (or producer) noticing and closing the session.
+cannot use: every frame after ``welcome`` carries a GMAC under a key it does not know, with a
+per-direction sequence number, so it cannot forge, alter, replay, reorder, drop or reflect
+anything without the consumer (or producer) noticing and closing the session. Every block
+payload carries a GMAC tag under the producer's page key (random per producer, computed once
+per page write, cached with the page), and the tag travels in the block's session-MACed
+header; the page key reaches the consumer only encrypted under a key derived from the session
+(``welcome``), so the relay can neither read it nor substitute its own.
 The consumer verifies each payload before the page becomes readable (I6); a failure ends the
 usable prefix there and the rest is recomputed. Given the producer's node id (its answer's
 ``remote_engine_id``, passed on by the proxy), a consumer refuses any other node, so a wrong
@@ -49,18 +53,21 @@ read prompts' KV; put P2P on a private network, or a VPN/IPsec/WireGuard link, w
 acceptable. Every holder of the secret is trusted as a producer and a consumer: one secret per
 trust domain. The secret is not rotated by the protocol; rotate it by restarting peers.
 
-*Trusted fabrics.* There is no integrity opt-out: a MAC costs one AES-GCM pass per page per
-side, 0.11-0.16 of the raw socket's transfer time (``loadtest/bench_p2p`` prints it), and
-back-to-back runs with the payload MACs removed were not measurably faster than with them (the
-run-to-run noise of a shared machine was larger). A private fabric still gains from detecting
-corruption. On a private network with one tenant the secret still keeps strangers'
-processes (e.g. a compromised neighbour container) away from prompt-derived pages.
+*Trusted fabrics.* There is no integrity opt-out: the producer tags a page once per write (not
+per fetch) and the consumer verifies it once, one AES-GCM pass over the page on a worker thread
+that overlaps the next receive (``loadtest/bench_p2p`` prints its share of the raw socket's
+transfer time). A private fabric still gains from detecting corruption. On a private network
+with one tenant the secret still keeps strangers' processes (e.g. a compromised neighbour
+container) away from prompt-derived pages.
 
-Modules: ``frames`` (wire format), ``layout`` (fingerprint), ``sealing`` (key schedule, MACs),
-``handshake``, ``admission`` (pre-auth limits, server counters), ``channel`` (zero-copy framed
-socket I/O, sealed after the handshake), ``supply`` (producer registry: references, waits,
-leases), ``server`` (producer endpoint), ``sessions`` + ``client`` (consumer), ``pool_pages``
-(adapters to ``kvtier.offload.HostPagePool``), ``tier`` (the ``SecondaryTier``), ``settings``.
+Modules: ``frames`` (wire format), ``layout`` (fingerprint), ``sealing`` (key schedule, MACs,
+page keys and tags), ``handshake``, ``admission`` (pre-auth limits, server counters),
+``channel`` (zero-copy framed socket I/O, sealed after the handshake), ``supply`` (producer
+registry: references, tags, waits, leases), ``server`` (producer endpoint), ``sessions`` +
+``client`` (consumer), ``installs`` (consumer: verify off the loop, install in order), ``sink``
+(where a consumer installs pages), ``pool_pages`` (adapters to
+``kvtier.offload.HostPagePool``), ``page_tags`` (tags cached per pool page write), ``tier``
+(the ``SecondaryTier``), ``settings``.
 
 Producer side (inside the worker's asyncio loop)::
 
@@ -95,13 +102,14 @@ Consumer side::
 """
 
 from kvtier.p2p.admission import ServerStats
-from kvtier.p2p.client import BlockSink, FetchResult, P2PClient, PageReservation
+from kvtier.p2p.client import FetchResult, P2PClient
 from kvtier.p2p.frames import PROTOCOL_VERSION, KvRequestId, PeerNodeId
 from kvtier.p2p.handshake import LocalIdentity
 from kvtier.p2p.layout import LayoutFingerprint
 from kvtier.p2p.pool_pages import PoolSink, PoolSupplyPage
 from kvtier.p2p.server import P2PServer
 from kvtier.p2p.settings import P2PSettings
+from kvtier.p2p.sink import BlockSink, PageReservation
 from kvtier.p2p.supply import SupplyPage, SupplyRegistry
 from kvtier.p2p.tier import P2P_TIER, P2PTier
 

@@ -9,9 +9,11 @@ buffers, so it is not used.
 A channel starts *unsealed*: it carries only handshake frames, each at most
 :data:`~kvtier.p2p.frames.HANDSHAKE_MAX_FRAME_BYTES`, so an unauthenticated peer can make it
 allocate a few KiB at most. After the handshake :meth:`FrameChannel.seal` installs the session
-keys; from then on every frame carries a MAC (:mod:`kvtier.p2p.sealing`) that is verified
-before its body is parsed, each block payload is verified (after it landed in the destination
-page, before the caller may use it), and handshake frames are refused.
+keys (and the page key: the producer's :class:`~kvtier.p2p.sealing.PageSealer`, the consumer's
+:class:`~kvtier.p2p.sealing.PageOpener`); from then on every frame carries a MAC under the
+session key that is verified before its body is parsed, each block payload is verified against
+the page tag in its (session-MACed) header after it landed in the destination page and before
+the caller may use it, and handshake frames are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from dataclasses import dataclass
 
 from kvtier.errors import ProtocolError
 from kvtier.keys import OffloadKey
@@ -33,7 +36,7 @@ from kvtier.p2p.frames import (
     encode_frame,
     frame_length,
 )
-from kvtier.p2p.sealing import TAG_BYTES, Opener, Sealer
+from kvtier.p2p.sealing import TAG_BYTES, Opener, PageOpener, PageSealer, PageTag, Sealer
 
 
 class PeerClosed(ProtocolError):
@@ -62,6 +65,19 @@ def is_loopback(address: object) -> bool:
     return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
+@dataclass(frozen=True, slots=True)
+class UnverifiedPayload:
+    """A block payload received into its destination, not yet checked against its tag."""
+
+    opener: PageOpener
+    dest: memoryview
+    tag: PageTag
+
+    def verify(self) -> None:
+        """IntegrityError unless ``dest`` holds the bytes the producer tagged (any thread)."""
+        self.opener.verify(self.dest, self.tag, "block payload")
+
+
 class FrameChannel:
     """One connection's frames and payloads. Not safe for concurrent readers or writers."""
 
@@ -70,6 +86,8 @@ class FrameChannel:
         "_loop",
         "_max_frame",
         "_opener",
+        "_page_opener",
+        "_page_sealer",
         "_pending",
         "_prefix",
         "_sealer",
@@ -85,6 +103,8 @@ class FrameChannel:
         self._closed = False
         self._sealer: Sealer | None = None
         self._opener: Opener | None = None
+        self._page_sealer: PageSealer | None = None
+        self._page_opener: PageOpener | None = None
         self._pending: BlockHeader | None = None
         try:
             self.peer: object = sock.getpeername()
@@ -99,10 +119,21 @@ class FrameChannel:
     def sealed(self) -> bool:
         return self._opener is not None
 
-    def seal(self, send_key: bytes, recv_key: bytes) -> None:
-        """The handshake succeeded: authenticate everything from here on, both ways."""
+    def seal(
+        self,
+        send_key: bytes,
+        recv_key: bytes,
+        *,
+        page_sealer: PageSealer | None = None,
+        page_opener: PageOpener | None = None,
+    ) -> None:
+        """The handshake succeeded: authenticate everything from here on, both ways. The
+        producer's end gets the page sealer (to tag pages sent without a cached tag), the
+        consumer's the page opener (to verify every payload it receives)."""
         self._sealer = Sealer(send_key)
         self._opener = Opener(recv_key)
+        self._page_sealer = page_sealer
+        self._page_opener = page_opener
 
     async def _recv_exactly(self, view: memoryview) -> int:
         """Fill ``view``; returns bytes read (less than its length only at EOF)."""
@@ -158,19 +189,30 @@ class FrameChannel:
             self._pending = frame
         return frame
 
-    def _take_pending(self, nbytes: int) -> tuple[Opener, BlockHeader]:
-        header, opener = self._pending, self._opener
-        if header is None or opener is None:
+    def _take_pending(self, nbytes: int) -> BlockHeader:
+        header = self._pending
+        if header is None:
             raise ProtocolError("no block header announced this payload")
         if header.nbytes != nbytes:
             raise ProtocolError(f"payload of {header.nbytes} bytes read as {nbytes}")
         self._pending = None
-        return opener, header
+        return header
 
     async def read_payload_into(self, dest: memoryview) -> None:
         """Receive the announced payload straight into ``dest`` (exactly its size), then verify
-        its MAC; IntegrityError means ``dest`` holds bytes nobody may use."""
-        opener, header = self._take_pending(len(dest))
+        it against the header's page tag; IntegrityError means ``dest`` holds bytes nobody may
+        use."""
+        (await self.receive_payload_into(dest)).verify()
+
+    async def receive_payload_into(self, dest: memoryview) -> UnverifiedPayload:
+        """Receive the announced payload straight into ``dest`` (exactly its size), without
+        verifying it: nobody may use ``dest`` before the answer's :meth:`~UnverifiedPayload.
+        verify` returned (the client runs it on a worker thread, overlapping the next receive).
+        """
+        header = self._take_pending(len(dest))
+        page_opener = self._page_opener
+        if page_opener is None:
+            raise ProtocolError("no page key: this end does not receive blocks")
         got = 0
         total = len(dest)
         recv_into = self._loop.sock_recv_into
@@ -182,13 +224,12 @@ class FrameChannel:
             if n == 0:
                 raise PeerClosed(f"connection closed inside a {total}-byte payload")
             got += n
-        opener.verify(dest, header.mac, "block payload")
+        return UnverifiedPayload(page_opener, dest, PageTag(header.nonce, header.mac))
 
     async def discard_payload(self, nbytes: int) -> None:
         """Read and drop the announced payload (the receiver cannot use it), in bounded chunks.
-        Its MAC is not checked: nothing of it is kept."""
-        opener, _ = self._take_pending(nbytes)
-        opener.skip()
+        Its tag is not checked: nothing of it is kept."""
+        self._take_pending(nbytes)
         scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
         left = nbytes
         while left > 0:
@@ -211,19 +252,25 @@ class FrameChannel:
         head = LENGTH_PREFIX.pack(len(body) + TAG_BYTES) + body
         return head + sealer.tag(seq, head)
 
-    async def send_block(self, key: OffloadKey, payload: memoryview) -> None:
+    async def send_block(
+        self, key: OffloadKey, payload: memoryview, tag: PageTag | None = None
+    ) -> None:
         """A block header and its payload, the payload sent from ``payload``'s memory.
 
-        The payload's MAC (under the next sequence number after the header's) travels in the
-        header. One ``sendmsg`` tries both at once (one syscall per block when the socket has
-        room); whatever did not fit goes out with ``sock_sendall``.
+        ``tag``: the payload's page tag, computed once when the page was supplied; without one
+        the page sealer tags the payload now. The tag travels in the session-MACed header. One
+        ``sendmsg`` tries both at once (one syscall per block when the socket has room);
+        whatever did not fit goes out with ``sock_sendall``.
         """
         sealer = self._sealer
         if sealer is None:
             raise ProtocolError("block before authentication")
-        header_seq, payload_seq = sealer.reserve(), sealer.reserve()
-        mac = sealer.tag(payload_seq, payload)
-        head = self._sealed(sealer, header_seq, encode_body(BlockHeader(key, len(payload), mac)))
+        if tag is None:
+            if self._page_sealer is None:
+                raise ProtocolError("no page key: this end does not send blocks")
+            tag = self._page_sealer.tag(payload)
+        header = BlockHeader(key, len(payload), tag.mac, tag.nonce)
+        head = self._sealed(sealer, sealer.reserve(), encode_body(header))
         try:
             sent = self.sock.sendmsg((head, payload))
         except (BlockingIOError, InterruptedError):

@@ -11,14 +11,16 @@ Use inside the worker's asyncio loop::
 
 ``keys`` is the request's chunk keys in order. Leading keys the sink already holds are not
 fetched, nor any later key it holds; the rest is demanded in one ``fetch`` frame. Each block is
-received straight into the page the sink reserved (``loop.sock_recv_into``), its key and its
-MAC under the session key verified, and only then committed (I6): a page that fails is aborted,
-never readable. ``expected_node_id`` (the producer's node id from its answer) makes the
-handshake refuse any other node. A key the sink holds by the time its block comes (another
-fetch installed it meanwhile) has its payload skipped and counts as usable. A key that fails,
-is refused by the sink (no page can be freed), or misses ``deadline`` ends the usable prefix
-there; fetch never raises for transport failures, it returns what is usable and why the rest
-is not, within ``deadline`` (a ``time.monotonic()`` value; default ``now +
+received straight into the page the sink reserved (``loop.sock_recv_into``), its key checked
+against the session-MACed header and its payload against the header's page tag, and only then
+committed (I6): a page that fails is aborted, never readable. Payload verification runs on one
+worker thread per client, overlapping the next receive (:mod:`kvtier.p2p.installs`); the sink
+protocols are in :mod:`kvtier.p2p.sink`. ``expected_node_id`` (the producer's node id from its
+answer) makes the handshake refuse any other node. A key the sink holds by the time its block
+comes (another fetch installed it meanwhile) has its payload skipped and counts as usable. A key
+that fails, is refused by the sink (no page can be freed), or misses ``deadline`` ends the
+usable prefix there; fetch never raises for transport failures, it returns what is usable and
+why the rest is not, within ``deadline`` (a ``time.monotonic()`` value; default ``now +
 settings.fetch_timeout_s``). After the fetch the client sends ``done`` so the producer releases
 the supply (``finish=False`` keeps it for a later fetch).
 
@@ -29,12 +31,11 @@ producer when fetches run concurrently, at most ``max_sessions_per_peer`` kept i
 from __future__ import annotations
 
 import asyncio
-import enum
+import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
 
 from kvtier.errors import HandshakeRefused, IntegrityError, P2PError, ProtocolError
 from kvtier.keys import OffloadKey
@@ -50,51 +51,21 @@ from kvtier.p2p.frames import (
     as_keys,
 )
 from kvtier.p2p.handshake import LocalIdentity
+from kvtier.p2p.installs import PendingInstalls
 from kvtier.p2p.sessions import Session, SessionPool
 from kvtier.p2p.settings import P2PSettings
+from kvtier.p2p.sink import ALREADY_HELD, AlreadyHeld, BlockSink, PageReservation
+
+__all__ = [
+    "ALREADY_HELD",
+    "AlreadyHeld",
+    "BlockSink",
+    "FetchResult",
+    "P2PClient",
+    "PageReservation",
+]
 
 logger = logging.getLogger(__name__)
-
-
-class PageReservation(Protocol):
-    """A host page reserved for one incoming key, not readable until committed."""
-
-    @property
-    def buffer(self) -> memoryview:
-        """Writable, exactly the key's payload size (format 'B')."""
-        ...
-
-    def commit(self) -> None:
-        """The payload is verified: install the page under its key (readable from now on)."""
-        ...
-
-    def abort(self) -> None:
-        """Give the page back; the key stays absent."""
-        ...
-
-
-class AlreadyHeld(enum.Enum):
-    """:meth:`BlockSink.reserve`'s answer for a key that turned up locally after the fetch
-    demanded it (another fetch installed it meanwhile, or a local store did): the client skips
-    the incoming payload and counts the key as usable."""
-
-    ALREADY_HELD = "already held"
-
-
-ALREADY_HELD: Final = AlreadyHeld.ALREADY_HELD
-
-
-class BlockSink(Protocol):
-    """Where a consumer installs fetched pages (its primary host tier)."""
-
-    def holds(self, key: OffloadKey) -> bool:
-        """True when ``key`` is already present locally (readable or write in flight)."""
-        ...
-
-    def reserve(self, key: OffloadKey, nbytes: int) -> PageReservation | AlreadyHeld | None:
-        """A page for ``key``; :data:`ALREADY_HELD` when ``key`` is present locally by now; or
-        None when no page can be freed (the prefix ends there)."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +122,7 @@ class P2PClient:
         self.identity = identity
         self.sink = sink
         self._sessions = SessionPool(settings, identity)
+        self._verifier: concurrent.futures.ThreadPoolExecutor | None = None
 
     async def fetch(
         self,
@@ -244,8 +216,17 @@ class P2PClient:
         return self._sessions.opened
 
     async def close(self) -> None:
-        """Close idle sessions; later fetches open new ones, and close them when done."""
+        """Close idle sessions and the verification thread; later fetches open new ones, and
+        close them when done."""
         self._sessions.close()
+        verifier, self._verifier = self._verifier, None
+        if verifier is not None:
+            verifier.shutdown(wait=False)  # a batch in flight finishes, then the thread ends
+
+    def _verification_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._verifier is None:
+            self._verifier = concurrent.futures.ThreadPoolExecutor(1, "p2p-verify")
+        return self._verifier
 
     # ---- one exchange -------------------------------------------------------------------------
 
@@ -328,6 +309,30 @@ class P2PClient:
         missing: tuple[OffloadKey, ...],
         progress: _Progress,
     ) -> None:
+        def installed(key: OffloadKey, nbytes: int) -> None:
+            progress.fetched.append(key)
+            progress.nbytes += nbytes
+
+        installs = PendingInstalls(self._verification_thread(), installed)
+        try:
+            await self._receive_blocks(channel, rid, missing, progress, installs)
+            await installs.finish()  # IntegrityError: the prefix ends at the page that failed
+        except (P2PError, OSError, TimeoutError) as exc:
+            installs.settle()  # installs what was received whole and verifies
+            if installs.failure is not None and installs.failure is not exc:
+                raise installs.failure from exc  # a forged page says more than what followed
+            raise
+        finally:
+            installs.settle()  # nothing left on success; on cancellation, as above
+
+    async def _receive_blocks(
+        self,
+        channel: FrameChannel,
+        rid: KvRequestId,
+        missing: tuple[OffloadKey, ...],
+        progress: _Progress,
+        installs: PendingInstalls,
+    ) -> None:
         fingerprint = self.identity.fingerprint
         i = 0
         while i < len(missing):
@@ -364,16 +369,12 @@ class P2PClient:
                 progress.reason = "no free host page for a fetched block"
                 progress.session_clean = False  # stop reading: closing is cheaper than draining
                 return
-            committed = False
             try:
-                await channel.read_payload_into(reservation.buffer)  # IntegrityError: tampered
-                reservation.commit()
-                committed = True
-            finally:
-                if not committed:
-                    reservation.abort()
-            progress.fetched.append(key)
-            progress.nbytes += frame.nbytes
+                payload = await channel.receive_payload_into(reservation.buffer)
+            except BaseException:
+                reservation.abort()
+                raise
+            installs.add(key, reservation, payload)  # IntegrityError: an earlier page
             i += 1
 
 

@@ -5,7 +5,9 @@ handshake frames (``hello``, ``auth``, ``welcome``, ``refuse``) travel before au
 and are capped at :data:`HANDSHAKE_MAX_FRAME_BYTES`. Every later frame is *sealed*: the length
 counts the msgpack body plus a 16-byte MAC under the session key (:mod:`kvtier.p2p.sealing`)
 that follows the body. A ``block`` frame is followed on the wire by exactly ``nbytes`` of raw
-page payload (not part of the frame), authenticated by the frame's ``mac`` field. Types:
+page payload (not part of the frame), authenticated by the frame's ``mac`` and ``nonce``
+fields: the page's tag under the producer's page key, computed once per page write and sent in
+this session-MACed header (:mod:`kvtier.p2p.sealing`). Types:
 
 =============  ==========================  ====================================================
 type           direction                   fields
@@ -13,10 +15,12 @@ type           direction                   fields
 ``hello``      server → client, first      ``version, node_id, fingerprint, nonce, auth``
 ``auth``       client → server             ``version, node_id, fingerprint, nonce, mac``
                                            (the client's proof over the transcript)
-``welcome``    server → client             ``mac`` (the server's proof over the transcript)
+``welcome``    server → client             ``mac`` (the server's proof over the transcript),
+                                           ``page_key`` (the producer's page key, encrypted
+                                           under the session's wrap key)
 ``refuse``     either → other, then close  ``reason``
 ``fetch``      consumer → producer         ``kv_request_id, keys, deadline_ms``
-``block``      producer → consumer         ``key, nbytes, mac`` (the payload's MAC)
+``block``      producer → consumer         ``key, nbytes, mac, nonce`` (the payload's tag)
 ``fail``       producer → consumer         ``kv_request_id, keys, reason``
 ``done``       consumer → producer         ``kv_request_id``
 ``release``    anyone → producer           ``kv_request_id``
@@ -40,11 +44,15 @@ from kvtier.errors import ProtocolError
 from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey
 from kvtier.p2p.layout import LayoutFingerprint
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""v3: payload tags under a per-producer page key, computed once per page (v2: per send)."""
 LENGTH_PREFIX = struct.Struct(">I")
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 PAYLOAD_MAC_BYTES = 16
+WRAPPED_PAGE_KEY_BYTES = 48
+"""A 32-byte page key encrypted with AES-GCM (16-byte tag); see kvtier.p2p.sealing."""
+MAX_PAGE_NONCE = (1 << 64) - 1
 HANDSHAKE_MAX_FRAME_BYTES = 4096
 """Cap on a frame before authentication: nothing larger is allocated for an unknown peer."""
 MAX_ID_CHARS = 128
@@ -79,6 +87,8 @@ class Auth:
 @dataclass(frozen=True, slots=True)
 class Welcome:
     mac: bytes
+    page_key: bytes
+    """The producer's page key, wrapped for this session (``SessionSecrets.wrap_page_key``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +108,9 @@ class BlockHeader:
     key: OffloadKey
     nbytes: int
     mac: bytes
-    """MAC of the payload under the session key (filled in by the sending channel)."""
+    """The payload's MAC under the producer's page key (``PageTag.mac``)."""
+    nonce: int = 0
+    """The page key nonce of that MAC (``PageTag.nonce``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +164,7 @@ def encode_body(frame: Frame) -> bytes:
                 "mac": frame.mac,
             }
         case Welcome():
-            body = {"type": "welcome", "mac": frame.mac}
+            body = {"type": "welcome", "mac": frame.mac, "page_key": frame.page_key}
         case Refuse():
             body = {"type": "refuse", "reason": frame.reason}
         case Fetch():
@@ -168,6 +180,7 @@ def encode_body(frame: Frame) -> bytes:
                 "key": frame.key,
                 "nbytes": frame.nbytes,
                 "mac": frame.mac,
+                "nonce": frame.nonce,
             }
         case Fail():
             body = {
@@ -206,6 +219,7 @@ def decode_frame(body: bytes | bytearray | memoryview) -> Frame:
             _key(raw.get("key")),
             _int(raw, "nbytes", 1, MAX_PAYLOAD_BYTES),
             _bytes(raw, "mac", PAYLOAD_MAC_BYTES),
+            _int(raw, "nonce", 0, MAX_PAGE_NONCE),
         )
     if kind == "fetch":
         return Fetch(_rid(raw), _keys(raw.get("keys")), _int(raw, "deadline_ms", 0, 3_600_000))
@@ -232,7 +246,9 @@ def decode_frame(body: bytes | bytearray | memoryview) -> Frame:
             _bytes(raw, "mac", PROOF_BYTES),
         )
     if kind == "welcome":
-        return Welcome(_bytes(raw, "mac", PROOF_BYTES))
+        return Welcome(
+            _bytes(raw, "mac", PROOF_BYTES), _bytes(raw, "page_key", WRAPPED_PAGE_KEY_BYTES)
+        )
     if kind == "refuse":
         return Refuse(_str(raw, "reason", MAX_REASON_CHARS))
     raise ProtocolError(f"unknown frame type {str(kind)[:40]!r}")

@@ -5,13 +5,16 @@
    proof over the transcript (both nonces, both node ids, the fingerprint, the version), under
    a key derived from the shared secret (:mod:`kvtier.p2p.sealing`).
 3. server checks version, fingerprint and proof (or, when it has no secret, that the peer is on
-   loopback); it then either answers ``refuse {reason}`` and closes, or ``welcome {mac}`` with
-   its own proof over the same transcript.
+   loopback); it then either answers ``refuse {reason}`` and closes, or ``welcome {mac,
+   page_key}`` with its own proof over the same transcript and its page key encrypted under the
+   session's wrap key.
 4. the client checks the server's proof and, when it was told which producer it talks to, that
    the server's node id is that one (the id is part of the proven transcript, so a relay cannot
-   substitute another node's hello).
+   substitute another node's hello); it then unwraps the page key (IntegrityError if it was
+   not wrapped for this session).
 5. both ends seal the channel with the per-direction session keys: nothing after ``welcome`` is
-   accepted without a MAC under a key only the two ends hold.
+   accepted without a MAC under a key only the two ends hold, and no payload is accepted
+   without a tag under the page key that only the producer and its authenticated peers hold.
 
 Without a secret the same steps run with an empty secret, and both ends accept only loopback
 peers: the keys then catch corruption, not attackers (any local process is trusted).
@@ -40,7 +43,7 @@ from kvtier.p2p.frames import (
     Welcome,
 )
 from kvtier.p2p.layout import LayoutFingerprint
-from kvtier.p2p.sealing import SessionSecrets, Transcript, proofs_match
+from kvtier.p2p.sealing import PageOpener, PageSealer, SessionSecrets, Transcript, proofs_match
 from kvtier.p2p.settings import P2PSettings
 
 logger = logging.getLogger(__name__)
@@ -87,10 +90,16 @@ async def _refuse(channel: FrameChannel, reason: str, side: str) -> HandshakeRef
 
 
 async def server_handshake(
-    channel: FrameChannel, me: LocalIdentity, admit: Admit | None = None
+    channel: FrameChannel,
+    me: LocalIdentity,
+    admit: Admit | None = None,
+    pages: PageSealer | None = None,
 ) -> PeerInfo:
     """Run the server side and seal ``channel``; raises HandshakeRefused (after telling the
-    peer) or ProtocolError."""
+    peer) or ProtocolError.
+
+    ``pages``: the producer's page key (its registry's); None draws one for this session only.
+    """
     if me.secret is None and not is_loopback(channel.peer):
         raise await _refuse(channel, "no shared secret configured: only loopback peers", "server")
     nonce = secrets.token_bytes(NONCE_BYTES)
@@ -118,8 +127,10 @@ async def server_handshake(
         raise await _refuse(channel, "authentication failed", "server")
     if admit is not None and (busy := admit(frame.node_id)) is not None:
         raise await _refuse(channel, busy, "server")
-    await channel.send_frame(Welcome(keys.server_proof))
-    channel.seal(keys.server_to_client, keys.client_to_server)
+    if pages is None:
+        pages = PageSealer()
+    await channel.send_frame(Welcome(keys.server_proof, keys.wrap_page_key(pages.key)))
+    channel.seal(keys.server_to_client, keys.client_to_server, page_sealer=pages)
     return PeerInfo(frame.node_id, me.secret is not None)
 
 
@@ -172,5 +183,6 @@ async def client_handshake(
     if not proofs_match(keys.server_proof, answer.mac):
         logger.warning("p2p server %s failed to prove the shared secret", channel.peer)
         raise HandshakeRefused("server failed authentication")
-    channel.seal(keys.client_to_server, keys.server_to_client)
+    page_opener = PageOpener(keys.unwrap_page_key(answer.page_key))
+    channel.seal(keys.client_to_server, keys.server_to_client, page_opener=page_opener)
     return PeerInfo(frame.node_id, me.secret is not None)

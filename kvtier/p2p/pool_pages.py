@@ -2,12 +2,12 @@
 
 - :class:`PoolSupplyPage`: a producer's :class:`~kvtier.offload.pool.PageRef` as a
   :class:`~kvtier.p2p.supply.SupplyPage` (the payload is the first ``nbytes`` of the page).
-- :class:`PoolSink`: a consumer's pool as a :class:`~kvtier.p2p.client.BlockSink`: a fetched
+- :class:`PoolSink`: a consumer's pool as a :class:`~kvtier.p2p.sink.BlockSink`: a fetched
   block is written into a page allocated for its key (``allocate`` → ``write_view`` →
   ``complete_write``), so the tiering manager sees it as a normal write (listeners, events).
   A key present by the time its block comes (installed meanwhile by a concurrent fetch or a
   local store, readable or still being written by that writer) is answered
-  :data:`~kvtier.p2p.client.ALREADY_HELD`: the client skips the payload and the key stays
+  :data:`~kvtier.p2p.sink.ALREADY_HELD`: the client skips the payload and the key stays
   usable. Its readability is then up to that writer; a write that fails leaves the key absent,
   as any later eviction would, and a caller reads the pool before it relies on a key. Only a
   pool with no page to free refuses a block.
@@ -21,7 +21,7 @@ from kvtier.errors import OffloadError, PoolExhausted
 from kvtier.keys import OffloadKey
 from kvtier.offload.pool import HostPagePool, PageRef
 from kvtier.offload.types import LookupResult, RequestId
-from kvtier.p2p.client import ALREADY_HELD, AlreadyHeld
+from kvtier.p2p.sink import ALREADY_HELD, AlreadyHeld
 
 logger = logging.getLogger(__name__)
 

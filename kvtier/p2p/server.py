@@ -20,7 +20,8 @@ Each session: a reader that accepts ``fetch``/``done``/``release`` and a sender 
 fetches in order, one block at a time, each as soon as it is readable. A key that cannot be
 served ends the fetch with one ``fail`` frame naming it and every later key (the consumer's
 usable prefix ends there anyway). Every frame after the handshake, both ways, and every block
-payload carries a MAC under the session key (:mod:`kvtier.p2p.sealing`). Malformed or
+payload carries a MAC: frames under the session key, payloads under the registry's page key
+with the tag computed once when the page was supplied (:mod:`kvtier.p2p.sealing`). Malformed or
 unauthenticated input closes that session only, with a logged reason; kv_request_ids fetched on
 a connection that goes away without ``done`` are released. Every wait is bounded: handshake,
 idle session, demand per key (``demand_wait_s`` while the producer runs; none once it
@@ -201,7 +202,9 @@ class P2PServer:
         peer: PeerInfo | None = None
         try:
             async with asyncio.timeout(self.settings.handshake_timeout_s):
-                peer = await server_handshake(channel, self.identity, slot.take)
+                peer = await server_handshake(
+                    channel, self.identity, slot.take, self.registry.page_sealer
+                )
         except HandshakeRefused:
             self._counters.refused_total += 1
         except (ProtocolError, TimeoutError, OSError) as exc:
@@ -316,7 +319,7 @@ class P2PServer:
                     reason = f"supplied page has {len(hold.view)} bytes, layout says {nbytes}"
                     await self._fail(channel, fetch, fetch.keys[i:], reason)
                     return
-                await channel.send_block(key, hold.view)
+                await channel.send_block(key, hold.view, hold.tag)
             finally:
                 hold.close()
 

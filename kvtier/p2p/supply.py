@@ -16,6 +16,11 @@ its lease expires (``expire``). A page being sent holds an extra count, so relea
 is in progress defers the page's release to the end of that send: a page is never unpinned while
 it is read (I5).
 
+Each supplied page carries its :class:`~kvtier.p2p.sealing.PageTag` under the registry's page
+key (:attr:`SupplyRegistry.page_sealer`): given by the caller (the P2P tier caches one per page
+write, so a page supplied again is not tagged again), or computed by :meth:`SupplyRegistry.supply`
+on the calling thread. Sends reuse it: no fetch reads a page for its MAC.
+
 The registry is thread-safe: the tiering manager may call it from an engine thread while the
 server awaits demand on the event loop (waiters are woken with ``call_soon_threadsafe``).
 """
@@ -34,6 +39,7 @@ from typing import Protocol
 
 from kvtier.keys import OffloadKey
 from kvtier.p2p.frames import KvRequestId
+from kvtier.p2p.sealing import PageSealer, PageTag
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,7 @@ class SupplyPage(Protocol):
 @dataclass(slots=True)
 class _Key:
     page: SupplyPage | None = None
+    tag: PageTag | None = None
     failed: str | None = None
     senders: int = 0
     dropped: bool = False
@@ -70,14 +77,18 @@ _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 
 
 class SendHold:
-    """A page lent to one send: ``view`` stays valid until :meth:`close`."""
+    """A page lent to one send: ``view`` stays valid until :meth:`close`; ``tag`` is its MAC
+    under the registry's page key."""
 
-    __slots__ = ("_closed", "_registry", "_state", "view")
+    __slots__ = ("_closed", "_registry", "_state", "tag", "view")
 
-    def __init__(self, registry: SupplyRegistry, state: _Key, view: memoryview) -> None:
+    def __init__(
+        self, registry: SupplyRegistry, state: _Key, view: memoryview, tag: PageTag | None
+    ) -> None:
         self._registry = registry
         self._state = state
         self.view = view
+        self.tag = tag
         self._closed = False
 
     def close(self) -> None:
@@ -113,6 +124,9 @@ class SupplyRegistry:
         self._released_memory = released_memory
         self._waiters: dict[KvRequestId, list[_Waiter]] = {}
         self._closed = False
+        self.page_sealer = PageSealer()
+        """This producer's page key (random, per registry); the server hands it to each
+        authenticated session."""
 
     # ---- producer side (any thread) ---------------------------------------------------------
 
@@ -131,16 +145,28 @@ class SupplyRegistry:
                 )
             self._wake(kv_request_id)
 
-    def supply(self, kv_request_id: KvRequestId, key: OffloadKey, page: SupplyPage) -> bool:
+    def supply(
+        self,
+        kv_request_id: KvRequestId,
+        key: OffloadKey,
+        page: SupplyPage,
+        tag: PageTag | None = None,
+    ) -> bool:
         """Register a readable page for K, taking over the reference. False: not kept (K not
-        open, released, or the key is already supplied) and ``page`` was released."""
+        open, released, or the key is already supplied) and ``page`` was released.
+
+        ``tag``: the page's tag under :attr:`page_sealer` (cached by the caller); without one it
+        is computed here, once, before the page becomes servable.
+        """
+        if tag is None and self.is_open(kv_request_id):
+            tag = self.page_sealer.tag(page.view())
         with self._lock:
             entry = self._requests.get(kv_request_id)
             state = entry.keys.get(key) if entry is not None else None
             if entry is None or (state is not None and state.page is not None):
                 keep = False
             else:
-                entry.keys[key] = _Key(page=page)
+                entry.keys[key] = _Key(page=page, tag=tag)
                 entry.lease_deadline = max(entry.lease_deadline, self._clock() + self._lease_s)
                 self._wake(kv_request_id)
                 keep = True
@@ -280,7 +306,7 @@ class SupplyRegistry:
         if state is not None and state.page is not None:
             state.senders += 1
             try:
-                return SendHold(self, state, state.page.view())
+                return SendHold(self, state, state.page.view(), state.tag)
             except Exception:
                 state.senders -= 1
                 raise

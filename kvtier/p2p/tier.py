@@ -11,10 +11,14 @@ Plug it into the manager like any :class:`~kvtier.offload.tier.SecondaryTier`::
   tier then receives nothing.
 - ``submit_store``: each key (cascaded from the primary tier, or newly written) is acquired from
   the pool inside the call and registered as supply for K, so it cannot be evicted while a peer
-  may fetch it.
+  may fetch it. Its tag under the registry's page key is computed the first time the page is
+  supplied after its write completed, and cached with the page (:mod:`kvtier.p2p.page_tags`):
+  a warm producer sends pages without reading them for a MAC.
 - ``on_store_pending``: keys whose write is in flight are parked (demand waits for them).
 - ``on_store_failed``: those keys fail their demand at once, with the reason.
 - ``on_request_finished``: K is finished; unmet demand fails at once and the lease starts.
+
+:meth:`P2PTier.close` detaches the tier's pool write listener.
 
 The supply is released by the server (``done``, ``release``, consumer disconnect), by lease
 expiry, or by :meth:`P2PTier.release`.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 from kvtier.errors import UnknownKey
 from kvtier.keys import OffloadKey
@@ -40,6 +45,7 @@ from kvtier.offload.types import (
 )
 from kvtier.p2p.frames import KvRequestId
 from kvtier.p2p.layout import LayoutFingerprint
+from kvtier.p2p.page_tags import PageTagCache
 from kvtier.p2p.pool_pages import PoolSupplyPage
 from kvtier.p2p.supply import SupplyRegistry
 
@@ -63,6 +69,19 @@ class P2PTier(SecondaryTier):
         self._registry = registry
         self._fingerprint = fingerprint
         self._name = name
+        self._tags = PageTagCache()
+        # Registered now, before any manager that holds this tier registers its own listener:
+        # a rewritten page's old tag is dropped before the key can cascade here again.
+        pool.add_write_listener(self._tags.on_write_done)
+
+    def close(self) -> None:
+        """Detach from the pool's write listeners (the tier keeps no other resource)."""
+        self._pool.remove_write_listener(self._tags.on_write_done)
+
+    @property
+    def cached_tags(self) -> int:
+        """Pages whose tag is cached (at most one per pool page)."""
+        return len(self._tags)
 
     @property
     def name(self) -> TierName:
@@ -109,7 +128,10 @@ class P2PTier(SecondaryTier):
                 ref.release()
                 self._registry.fail(rid, key, str(exc))
                 continue
-            self._registry.supply(rid, key, page)
+            tag = self._tags.tag_of(
+                key, ref.index, partial(self._registry.page_sealer.tag, page.view())
+            )
+            self._registry.supply(rid, key, page, tag)
 
     def on_store_pending(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         rid = self.kv_request_id(ctx)

@@ -23,6 +23,7 @@ from .conftest import (
     make_pair,
     payload,
     producer_ctx,
+    wait_until,
     write_page,
 )
 
@@ -40,7 +41,9 @@ async def forged_block(channel: FrameChannel, header: BlockHeader, data: bytes) 
     await asyncio.get_running_loop().sock_sendall(channel.sock, data)
 
 
-async def run_against(script: Script, n: int = 4) -> tuple[Pair, FetchResult]:
+async def run_against(
+    script: Script, n: int = 4, pair: Pair | None = None
+) -> tuple[Pair, FetchResult]:
     """Serve one fetch of ``n`` keys with ``script``; returns the consumer pair and result."""
     loop = asyncio.get_running_loop()
     listener = socket.socket()
@@ -63,7 +66,7 @@ async def run_against(script: Script, n: int = 4) -> tuple[Pair, FetchResult]:
             channel.close()
 
     server = asyncio.create_task(serve())
-    pair = await make_pair()
+    pair = pair or await make_pair()
     try:
         result = await pair.client.fetch(
             "127.0.0.1", listener.getsockname()[1], "k", make_keys(n), time.monotonic() + 2
@@ -86,6 +89,43 @@ async def test_payload_with_a_wrong_mac_is_not_installed() -> None:
     pair, result = await run_against(script)
     assert result.usable == 1 and "block payload failed authentication" in (result.reason or "")
     assert pair.consumer_pool.stats().readable == 1
+    pair.assert_baseline()
+
+
+async def test_forged_page_mid_fetch_installs_only_the_pages_before_it() -> None:
+    """Pages are verified off the loop, in batches: a forged page in the middle of a longer
+    fetch still ends the prefix exactly there; nothing after it becomes readable."""
+
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        for key in fetch.keys[:5]:
+            await good_block(channel, key)
+        forged = BlockHeader(fetch.keys[5], PAGE, b"\x01" * 16)
+        await forged_block(channel, forged, payload(fetch.keys[5]))
+        for key in fetch.keys[6:]:
+            await good_block(channel, key)
+
+    pair, result = await run_against(script, n=12)
+    assert result.usable == 5 and "block payload failed authentication" in (result.reason or "")
+    assert pair.consumer_pool.stats().readable == 5
+    pair.assert_baseline()
+
+
+async def test_client_closed_during_a_fetch_still_verifies_and_installs() -> None:
+    """close() stops the verification thread; a fetch still streaming verifies the rest of its
+    pages on the loop instead, and returns normally."""
+    pair = await make_pair()
+
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        for key in fetch.keys[:2]:
+            await good_block(channel, key)
+        await wait_until(lambda: pair.consumer_pool.stats().readable == 2)
+        await pair.client.close()
+        for key in fetch.keys[2:]:
+            await good_block(channel, key)
+
+    _, result = await run_against(script, n=6, pair=pair)
+    assert result.complete, result
+    assert pair.consumer_pool.stats().readable == 6
     pair.assert_baseline()
 
 

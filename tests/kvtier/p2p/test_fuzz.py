@@ -20,6 +20,8 @@ from kvtier.errors import ProtocolError
 from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey
 from kvtier.p2p.frames import (
     LENGTH_PREFIX,
+    MAX_PAGE_NONCE,
+    WRAPPED_PAGE_KEY_BYTES,
     Auth,
     BlockHeader,
     Done,
@@ -68,6 +70,7 @@ frames_st: st.SearchStrategy[Frame] = st.one_of(
         st.binary(min_size=OFFLOAD_KEY_BYTES, max_size=OFFLOAD_KEY_BYTES).map(OffloadKey),
         st.integers(1, 1 << 31),
         st.binary(min_size=16, max_size=16),
+        st.integers(0, MAX_PAGE_NONCE),
     ),
     st.builds(
         Fail,
@@ -94,7 +97,11 @@ frames_st: st.SearchStrategy[Frame] = st.one_of(
         st.binary(min_size=32, max_size=32),
         st.booleans(),
     ),
-    st.builds(Welcome, st.binary(min_size=32, max_size=32)),
+    st.builds(
+        Welcome,
+        st.binary(min_size=32, max_size=32),
+        st.binary(min_size=WRAPPED_PAGE_KEY_BYTES, max_size=WRAPPED_PAGE_KEY_BYTES),
+    ),
 )
 
 

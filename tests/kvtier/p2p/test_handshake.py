@@ -15,6 +15,7 @@ from kvtier.p2p.channel import FrameChannel, is_loopback, tune_socket
 from kvtier.p2p.frames import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
+    WRAPPED_PAGE_KEY_BYTES,
     Auth,
     Hello,
     PeerNodeId,
@@ -157,7 +158,7 @@ async def test_server_proof_is_checked_by_the_client() -> None:
                 Hello(PROTOCOL_VERSION, PeerNodeId("evil"), FINGERPRINT, nonce, True)
             )
             await channel.read_frame()
-            await channel.send_frame(Welcome(b"\x00" * 32))
+            await channel.send_frame(Welcome(b"\x00" * 32, b"\x00" * WRAPPED_PAGE_KEY_BYTES))
             await channel.read_frame()
         finally:
             channel.close()

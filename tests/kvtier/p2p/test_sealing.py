@@ -10,7 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.errors import IntegrityError
-from kvtier.p2p.sealing import Opener, Sealer, SessionSecrets, Transcript
+from kvtier.p2p.sealing import (
+    Opener,
+    PageOpener,
+    PageSealer,
+    PageTag,
+    Sealer,
+    SessionSecrets,
+    Transcript,
+)
 
 from .conftest import FINGERPRINT
 
@@ -103,3 +111,47 @@ def test_the_secret_changes_every_output() -> None:
     ):
         for field in dataclasses.fields(SessionSecrets):
             assert getattr(with_secret, field.name) != getattr(other, field.name)
+
+
+@given(st.binary(min_size=1, max_size=256), st.data())
+def test_page_tags_refuse_any_flipped_bit_or_other_nonce(page: bytes, data: st.DataObject) -> None:
+    sealer = PageSealer()
+    tag = sealer.tag(page)
+    opener = PageOpener(sealer.key)
+    opener.verify(page, tag, "page")
+    bit = data.draw(st.integers(0, len(page) * 8 - 1))
+    flipped = bytearray(page)
+    flipped[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(IntegrityError):
+        opener.verify(flipped, tag, "page")
+    with pytest.raises(IntegrityError):
+        opener.verify(page, PageTag(tag.nonce + 1, tag.mac), "page")
+    with pytest.raises(IntegrityError):
+        PageOpener(PageSealer().key).verify(page, tag, "page")  # another producer's key
+
+
+def test_page_tags_never_reuse_a_nonce() -> None:
+    sealer = PageSealer()
+    nonces = {sealer.tag(b"same page").nonce for _ in range(100)}
+    assert len(nonces) == 100
+
+
+def test_page_key_unwraps_only_in_its_own_session() -> None:
+    """The page key travels in welcome: only this session's keys open it; another session's
+    (a relay that ran its own handshake) and any changed byte fail."""
+    page_key = PageSealer().key
+    mine = SessionSecrets.derive(b"secret", TRANSCRIPT)
+    wrapped = mine.wrap_page_key(page_key)
+    assert page_key not in wrapped  # encrypted, not only authenticated
+    assert mine.unwrap_page_key(wrapped) == page_key
+    other = SessionSecrets.derive(
+        b"secret", dataclasses.replace(TRANSCRIPT, client_nonce=b"\x03" * 32)
+    )
+    with pytest.raises(IntegrityError):
+        other.unwrap_page_key(wrapped)
+    with pytest.raises(IntegrityError):
+        SessionSecrets.derive(b"guess", TRANSCRIPT).unwrap_page_key(wrapped)
+    tampered = bytearray(wrapped)
+    tampered[0] ^= 1
+    with pytest.raises(IntegrityError):
+        mine.unwrap_page_key(bytes(tampered))

@@ -1,0 +1,182 @@
+"""Consumer side: fetched pages verified off the event loop, then installed in arrival order.
+
+A payload lands in the page its sink reserved (``FrameChannel.receive_payload_into``); its tag
+is checked on one worker thread while the event loop receives the next payloads. A socket
+receive releases the GIL, so the kernel's copy of the next page overlaps the MAC of the last
+one (the MAC holds the GIL: it overlaps the copy, not Python). Verification runs in batches:
+one batch at a time, each taking every page received since the previous batch started, so
+the hand-off costs one thread round trip per batch, not per page. A batch is installed on the
+loop as soon as its verification ends (not when the next page comes), so pages of a producer
+that is still computing become readable as they arrive.
+
+Invariant (I6): a reservation is committed (the page becomes readable) only after its payload
+verified, in the order the pages arrived; a page that fails is aborted together with every page
+after it, and :class:`~kvtier.errors.IntegrityError` ends the fetch there. :meth:`PendingInstalls.
+settle` (any error, the deadline or cancellation) installs the pages received whole that verify
+and aborts the rest, after the worker thread is done with them (never while it reads a page).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtier.errors import IntegrityError
+from kvtier.keys import OffloadKey
+from kvtier.p2p.channel import UnverifiedPayload
+from kvtier.p2p.sink import PageReservation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Received:
+    key: OffloadKey
+    reservation: PageReservation
+    payload: UnverifiedPayload
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    failed_at: int | None
+    """Index in the batch of the first page that failed (None: all verified)."""
+    reason: str = ""
+
+
+def _verify_batch(batch: list[_Received]) -> _Verdict:
+    """Runs on the worker thread; stops at the first failure (later pages are aborted)."""
+    for i, received in enumerate(batch):
+        try:
+            received.payload.verify()
+        except IntegrityError as exc:
+            return _Verdict(i, str(exc))
+        except Exception as exc:  # a bug must not install the page, nor hang the fetch
+            logger.exception("p2p page verification failed unexpectedly")
+            return _Verdict(i, f"page verification failed: {type(exc).__name__}")
+    return _Verdict(None)
+
+
+class PendingInstalls:
+    """Pages of one fetch that were received and are waiting for their verification."""
+
+    def __init__(
+        self,
+        executor: concurrent.futures.Executor,
+        on_installed: Callable[[OffloadKey, int], None],
+    ) -> None:
+        """``on_installed(key, nbytes)``: called on the loop, in order, after each commit."""
+        self._executor = executor
+        self._on_installed = on_installed
+        self._loop = asyncio.get_running_loop()
+        self._queued: list[_Received] = []
+        self._batch: list[_Received] = []
+        self._running: concurrent.futures.Future[_Verdict] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._failure: IntegrityError | None = None
+
+    @property
+    def failure(self) -> IntegrityError | None:
+        """Why a received page was refused (the first one), if one was."""
+        return self._failure
+
+    def add(
+        self, key: OffloadKey, reservation: PageReservation, payload: UnverifiedPayload
+    ) -> None:
+        """Queue a received page (the caller's reservation is ours from here on).
+
+        Raises the IntegrityError of an earlier page that failed (this page is aborted then).
+        """
+        received = _Received(key, reservation, payload)
+        if self._failure is not None:
+            _abort([received])
+            raise self._failure
+        self._queued.append(received)
+        if self._running is None:
+            self._start()
+
+    async def finish(self) -> None:
+        """Wait until every queued page is verified and installed (IntegrityError at the first
+        that fails: it and every later page are aborted)."""
+        await self._idle.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    def settle(self) -> None:
+        """Error paths (a transport error, the deadline, cancellation): install every page that
+        was received whole and verifies, in order, and abort the rest from the first that does
+        not. Synchronous: it waits for the batch on the worker thread (a few milliseconds at
+        most) rather than leave pages a later caller cannot account for. Idempotent."""
+        running, batch = self._running, self._batch
+        queued = self._queued
+        self._running, self._batch, self._queued = None, [], []
+        self._idle.set()
+        if running is None:
+            self._install(queued, _verify_batch(queued) if self._failure is None else None)
+            return
+        verdict = _verdict_of(running, batch)
+        self._install(batch, verdict)
+        self._install(queued, _verify_batch(queued) if verdict.failed_at is None else None)
+
+    def _start(self) -> None:
+        self._batch, self._queued = self._queued, []
+        self._idle.clear()
+        try:
+            running = self._executor.submit(_verify_batch, self._batch)
+        except RuntimeError:  # the client was closed during this fetch: verify on the loop
+            running = concurrent.futures.Future()
+            running.set_result(_verify_batch(self._batch))
+        self._running = running
+        loop = self._loop
+
+        def wake(_: concurrent.futures.Future[_Verdict]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(self._verified, running)
+
+        running.add_done_callback(wake)
+
+    def _verified(self, running: concurrent.futures.Future[_Verdict]) -> None:
+        """On the loop, as soon as a batch's verification ended: install it, start the next."""
+        if running is not self._running:
+            return  # settled meanwhile
+        batch = self._batch
+        self._running, self._batch = None, []
+        verdict = _verdict_of(running, batch)
+        self._install(batch, verdict)
+        if verdict.failed_at is not None:
+            queued, self._queued = self._queued, []
+            _abort(queued)
+        if self._queued:
+            self._start()
+        else:
+            self._idle.set()
+
+    def _install(self, batch: list[_Received], verdict: _Verdict | None) -> None:
+        """Commit ``batch`` up to its first failure, abort the rest (all of it for None)."""
+        good = (
+            0 if verdict is None else len(batch) if verdict.failed_at is None else verdict.failed_at
+        )
+        for received in batch[:good]:
+            received.reservation.commit()
+            self._on_installed(received.key, len(received.payload.dest))
+        _abort(batch[good:])
+        if verdict is not None and verdict.failed_at is not None and self._failure is None:
+            self._failure = IntegrityError(verdict.reason)
+            logger.debug("p2p fetch: %s", verdict.reason)
+
+
+def _verdict_of(running: concurrent.futures.Future[_Verdict], batch: list[_Received]) -> _Verdict:
+    """The batch's verdict; verified here when its job never ran (it was cancelled)."""
+    try:
+        return running.result()
+    except concurrent.futures.CancelledError:
+        return _verify_batch(batch)
+
+
+def _abort(batch: list[_Received]) -> None:
+    for received in batch:
+        received.reservation.abort()

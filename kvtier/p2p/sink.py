@@ -1,0 +1,51 @@
+"""Where a consumer installs fetched pages: the protocols :class:`~kvtier.p2p.client.P2PClient`
+writes through (:class:`~kvtier.p2p.pool_pages.PoolSink` implements them over the host pool).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final, Protocol
+
+from kvtier.keys import OffloadKey
+
+
+class PageReservation(Protocol):
+    """A host page reserved for one incoming key, not readable until committed."""
+
+    @property
+    def buffer(self) -> memoryview:
+        """Writable, exactly the key's payload size (format 'B')."""
+        ...
+
+    def commit(self) -> None:
+        """The payload is verified: install the page under its key (readable from now on)."""
+        ...
+
+    def abort(self) -> None:
+        """Give the page back; the key stays absent."""
+        ...
+
+
+class AlreadyHeld(enum.Enum):
+    """:meth:`BlockSink.reserve`'s answer for a key that turned up locally after the fetch
+    demanded it (another fetch installed it meanwhile, or a local store did): the client skips
+    the incoming payload and counts the key as usable."""
+
+    ALREADY_HELD = "already held"
+
+
+ALREADY_HELD: Final = AlreadyHeld.ALREADY_HELD
+
+
+class BlockSink(Protocol):
+    """Where a consumer installs fetched pages (its primary host tier)."""
+
+    def holds(self, key: OffloadKey) -> bool:
+        """True when ``key`` is already present locally (readable or write in flight)."""
+        ...
+
+    def reserve(self, key: OffloadKey, nbytes: int) -> PageReservation | AlreadyHeld | None:
+        """A page for ``key``; :data:`ALREADY_HELD` when ``key`` is present locally by now; or
+        None when no page can be freed (the prefix ends there)."""
+        ...
