@@ -146,6 +146,7 @@ class KvtierWorker:
         finally:
             self.net.stop(_STOP_TIMEOUT_S)
             self.registry.close()
+            self.tier.close()
             self.manager.close()
 
     # -- producer (engine thread, wait_for_save) -----------------------------------------------
