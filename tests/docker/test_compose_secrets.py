@@ -19,8 +19,8 @@ from tests.docker.conftest import (
 )
 
 FILES = ["compose.yaml", "compose.vllm.yaml"]
-FRONT_DOOR = {"proxy", "locust"}
-"""The only services that publish ports on the host."""
+FRONT_DOOR = {"proxy", "locust", "prometheus", "grafana"}
+"""The only services that publish ports on the host (Prometheus and Grafana on loopback only)."""
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -52,6 +52,9 @@ def test_only_the_front_door_publishes_ports(name: str) -> None:
             assert service.get("network_mode") != "host", service_name
             assert service["networks"] == ["backend"], service_name
     assert set(services["proxy"]["networks"]) == {"front", "backend"}
+    for service_name in ("prometheus", "grafana"):
+        for port in services.get(service_name, {}).get("ports", []):
+            assert port.startswith("127.0.0.1:"), (service_name, port)
     if name == "compose.yaml":
         # Workers and Redis need no route out: their network is internal.
         assert compose["networks"]["backend"] == {"internal": True}
