@@ -29,7 +29,13 @@ from tests.docker.engine import (
     start_engine,
     stop_engine,
 )
-from tests.ops.promql import Prometheus
+from tests.ops.promql import (
+    Prometheus,
+    check,
+    dashboard_expressions,
+    recorded_names,
+    rule_expressions,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -163,8 +169,13 @@ def test_prometheus_scrapes_the_proxy_and_every_worker(stack: LiveStack) -> None
             break
         assert time.monotonic() < deadline, targets
         time.sleep(1)
-    assert api.query('sum(pdproxy_requests_total{route="/v1/chat/completions"}) > 0')
+    assert api.query("sum(pdproxy_requests_total) > 0")  # the traffic above was scraped
+    assert api.query("sum(kvtier_worker_finished_requests_total) > 0")
     assert set(api.rule_health().values()) == {"ok"}
+    # The dashboard and the rules hold against the compose stack's own Prometheus too.
+    verdicts = check(api, dashboard_expressions() + rule_expressions(), recorded_names())
+    problems = [f"{v.expression.where}: {v.problem}" for v in verdicts if v.problem]
+    assert not problems, "\n".join(problems)
 
 
 def test_down_leaves_nothing_behind(stack: LiveStack) -> None:
