@@ -37,7 +37,8 @@ from tests.ops.promql import (
     rule_expressions,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# The first test also pays for the images (about 5 minutes on a fresh machine: debootstrap, pip).
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.timeout(1500)]
 
 SERVICES = ["redis", "producer-0", "producer-1", "consumer-0", "consumer-1", "proxy", "prometheus"]
 
