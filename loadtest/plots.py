@@ -163,12 +163,19 @@ def ratio_figure(runs: Sequence[Run], baseline: Run) -> Any:
     width = 0.8 / max(len(table), 1)
     for i, (label, row) in enumerate(table.items()):
         xs = [j + i * width for j in range(len(names))]
-        bars = ax.bar(xs, [row[n] for n in names], width, label=label)
-        ax.bar_label(bars, fmt="%.2f", fontsize="small")
+        values = [row[n] for n in names]
+        bars = ax.bar(xs, [0.0 if math.isnan(v) else v for v in values], width, label=label)
+        ax.bar_label(
+            bars, labels=["n/a" if math.isnan(v) else f"{v:.2f}" for v in values],
+            fontsize="small",
+        )  # fmt: skip
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + width * (len(table) - 1) / 2 for j in range(len(names))], names)
-    ax.set_ylabel(f"ratio to {baseline.label} (latency: < 1 faster; throughput: > 1 more)")
-    ax.set_title(f"Against the baseline {baseline.label!r}, same run")
+    ax.set_ylabel(f"ratio to {baseline.label}")
+    ax.set_title(
+        f"Against the baseline {baseline.label!r}, same session "
+        "(latency < 1: faster; throughput > 1: more)"
+    )
     ax.legend(fontsize="small")
     return fig
 

@@ -90,8 +90,10 @@ def compose_command(engine: Engine) -> list[str]:
 
 
 def build_images(engine: Engine) -> dict[str, str]:
-    """``docker/images --local`` (``PDPROXY_DOCKER_IMAGES=registry``: official images)."""
-    args = [] if os.environ.get("PDPROXY_DOCKER_IMAGES") == "registry" else ["--local"]
+    """``docker/images --local`` as root (debootstrap needs it); official images from a
+    registry otherwise or with ``PDPROXY_DOCKER_IMAGES=registry``."""
+    registry = os.environ.get("PDPROXY_DOCKER_IMAGES") == "registry" or os.geteuid() != 0
+    args = [] if registry else ["--local"]
     out = subprocess.run(
         [str(ROOT / "docker" / "images"), *args],
         check=False, capture_output=True, text=True, timeout=1200, env=engine.env(),

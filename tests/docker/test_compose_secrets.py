@@ -103,3 +103,14 @@ def test_vllm_engines_and_proxy_share_the_api_key(clean_env: pytest.MonkeyPatch)
     proxy = settings_from_args(build_parser().parse_args(services["proxy"]["command"][1:]))
     for backend in proxy.backends:
         assert backend.api_key is not None and backend.api_key.get_secret_value() == "v" * 40
+
+
+def test_grafana_has_no_default_admin() -> None:
+    """An attacker on the host tries Grafana's admin/admin: no admin account exists, and the
+    anonymous role cannot edit."""
+    grafana = load_compose("compose.yaml")["services"]["grafana"]
+    env = environment(grafana)
+    assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == "true"
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
+    assert grafana["profiles"] == ["grafana"]  # not started unless asked for
