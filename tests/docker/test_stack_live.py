@@ -156,9 +156,11 @@ def test_locust_runs_a_bounded_load_without_failures(stack: LiveStack, tmp_path:
         "--host", "http://proxy:8000", "--report-json", "/reports/locust.json", "--only-summary",
         timeout=240,
     )  # fmt: skip
+    said = f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert (tmp_path / "locust.json").is_file(), said
     report = json.loads((tmp_path / "locust.json").read_text())
-    assert report["completed"] > 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert report.get("failed", 0) == 0 and out.returncode == 0, out.stdout[-3000:]
+    assert report["completed"] > 0, said
+    assert report.get("failed", 0) == 0 and out.returncode == 0, said
 
 
 def test_prometheus_scrapes_the_proxy_and_every_worker(stack: LiveStack) -> None:
