@@ -149,11 +149,13 @@ def test_repeated_long_prompt_is_served_from_the_holders_cache(stack: LiveStack)
 
 
 def test_locust_runs_a_bounded_load_without_failures(stack: LiveStack, tmp_path: Path) -> None:
+    # Not /reports: the service mounts its own volume there, and the two mounts would race.
     tmp_path.chmod(0o777)  # the image's user (uid 10001) writes the report
     out = stack.run(
-        "run", "--rm", "-v", f"{tmp_path}:/reports", "locust",
+        "run", "--rm", "-v", f"{tmp_path}:/host-reports", "locust",
         "-f", "/app/loadtest/locustfile.py", "--headless", "-u", "4", "-r", "4", "-t", "15s",
-        "--host", "http://proxy:8000", "--report-json", "/reports/locust.json", "--only-summary",
+        "--host", "http://proxy:8000", "--report-json", "/host-reports/locust.json",
+        "--only-summary",
         timeout=240,
     )  # fmt: skip
     said = f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
