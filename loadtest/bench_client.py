@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS")
     parser.add_argument("--metric-percentiles", default="99", help='e.g. "50,90,99"')
     parser.add_argument("--result-json", type=Path, default=None)
+    parser.add_argument(
+        "--plot", action="store_true", help="also write PNG plots next to --result-json"
+    )
     parser.add_argument("--no-details", action="store_true", help="omit per-request arrays")
     progress = parser.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None)
@@ -325,6 +328,11 @@ def run_and_report(args: argparse.Namespace) -> int:
     if args.result_json is not None:
         args.result_json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.result_json}")
+        if args.plot:
+            from loadtest.plots import plot_result  # matplotlib only when asked for
+
+            for path in plot_result(args.result_json):
+                print(f"wrote {path}")
     return 0 if doc["completed"] > 0 else 1
 
 

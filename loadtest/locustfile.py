@@ -83,6 +83,10 @@ def _options(environment: Environment) -> argparse.Namespace:
 def _add_arguments(parser: Any) -> None:
     workloads.add_workload_arguments(parser, env_prefix="LOCUST_")
     parser.add_argument("--report-json", env_var="LOCUST_REPORT_JSON", default="")
+    parser.add_argument(
+        "--report-plots", env_var="LOCUST_REPORT_PLOTS", action="store_true", default=False,
+        help="also write PNG plots next to --report-json (needs matplotlib)",
+    )  # fmt: skip
     parser.add_argument("--metric-percentiles", env_var="LOCUST_METRIC_PERCENTILES", default="99")
     parser.add_argument("--goodput", env_var="LOCUST_GOODPUT", default="", help="ttft:500,...")
     parser.add_argument("--api-key", env_var="LOCUST_API_KEY", default="")
@@ -159,6 +163,11 @@ def _report(environment: Environment, state: LoadState) -> None:
     print(format_table(result, percentiles), flush=True)
     if options.report_json:
         Path(options.report_json).write_text(json.dumps(result, indent=2))
+        if options.report_plots:
+            from loadtest.plots import plot_result  # matplotlib only when asked for
+
+            for path in plot_result(Path(options.report_json)):
+                print(f"wrote {path}", flush=True)
 
 
 _hooks.init_command_line_parser.add_listener(_add_arguments)

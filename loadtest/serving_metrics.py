@@ -117,6 +117,8 @@ def summarize(
         result["output_lens"] = [r.output_tokens for r in records]
         result["ttfts"] = [r.ttft_s or 0.0 for r in records]
         result["itls"] = [list(r.itl_s) for r in records]
+        result["start_times"] = [r.start_s for r in records]
+        result["e2els"] = [r.e2el_s for r in records]
         result["errors"] = [r.error_detail if not r.ok else "" for r in records]
     return result
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -299,6 +300,7 @@ class Engine:
     def _append_token(self, req: EngineRequest, token: int) -> None:
         assert req.stop_matcher is not None
         self.stats.generated_tokens += 1
+        self._time_token(req)
         eos = self.backend.eos_token_id
         if eos is not None and token == eos and not req.params.ignore_eos:
             req.output_ids.append(token)
@@ -317,6 +319,16 @@ class Engine:
             self._finish(req, reason, text, token=token, stop=matched)
         else:
             req.outputs.put_nowait(StepOutput(token_ids=(token,), text=text))
+
+    def _time_token(self, req: EngineRequest) -> None:
+        now = time.monotonic()
+        latencies = self.stats.latencies
+        if req.first_token_s is None:
+            req.first_token_s = now
+            latencies.time_to_first_token.observe(now - req.arrived_s)
+        elif req.last_token_s is not None:
+            latencies.inter_token.observe(now - req.last_token_s)
+        req.last_token_s = now
 
     def _finish(
         self,
@@ -339,6 +351,9 @@ class Engine:
             self.stats.failed_requests += 1
         else:
             self.stats.finished_requests += 1
+            first, last, n = req.first_token_s, req.last_token_s, len(req.output_ids)
+            if first is not None and last is not None and n > 1:
+                self.stats.latencies.time_per_output_token.observe((last - first) / (n - 1))
         final = StepOutput(
             token_ids=() if token is None else (token,),
             text=text,

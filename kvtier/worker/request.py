@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -82,6 +83,10 @@ class EngineRequest:
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer)
     stop_matcher: StopStringMatcher | None = None
+    arrived_s: float = field(default_factory=time.monotonic)
+    """Monotonic time the engine received the request (latency histograms start here)."""
+    first_token_s: float | None = None
+    last_token_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.page_tables:

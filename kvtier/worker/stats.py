@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvtier.worker.latency import TokenLatencies
 
 
 @dataclass(slots=True)
@@ -32,3 +34,5 @@ class EngineStats:
     """Requests refused with 401: no or a wrong bearer key."""
     oversized_bodies: int = 0
     """Requests refused with 413: a body over ``max_body_bytes``."""
+    latencies: TokenLatencies = field(default_factory=TokenLatencies)
+    """Per-token latency histograms (exported as ``kvtier_worker_*_seconds``)."""

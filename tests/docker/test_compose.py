@@ -57,13 +57,29 @@ def _health_port(service: dict[str, Any]) -> int:
 
 def test_services_and_images(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == {"redis", *WORKERS, "proxy", "locust"}
+    assert set(services) == {"redis", *WORKERS, "proxy", "locust", "prometheus", "grafana"}
+    # One image, built once (docker/images or docker build), named by every service: no
+    # service builds (Compose v1 built it once per service).
+    for name, service in services.items():
+        assert "build" not in service, name
     for name in [*WORKERS, "proxy", "locust"]:
-        build = services[name]["build"]
-        assert (Path(ROOT / "docker") / build["context"]).resolve() == ROOT
-        assert (ROOT / build["dockerfile"]).is_file()
         assert services[name]["image"] == "pdproxy:local"
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_images_are_chosen_by_variables() -> None:
+    images = {"PDPROXY_IMAGE": "a:1", "REDIS_IMAGE": "b:2", "PROMETHEUS_IMAGE": "c:3"}
+    services = load_compose("compose.yaml", images)["services"]
+    assert services["proxy"]["image"] == services["producer-0"]["image"] == "a:1"
+    assert services["redis"]["image"] == "b:2" and services["prometheus"]["image"] == "c:3"
+    official = load_compose("compose.yaml")["services"]
+    assert official["redis"]["image"].startswith("redis:")
+    assert official["prometheus"]["image"].startswith("prom/prometheus:")
+
+
+def test_no_top_level_name_compose_v1_rejects_it() -> None:
+    for name in ("compose.yaml", "compose.vllm.yaml"):
+        assert "name" not in load_compose(name), name
 
 
 def test_start_order_waits_for_health(compose: dict[str, Any]) -> None:

@@ -19,8 +19,8 @@ from tests.docker.conftest import (
 )
 
 FILES = ["compose.yaml", "compose.vllm.yaml"]
-FRONT_DOOR = {"proxy", "locust"}
-"""The only services that publish ports on the host."""
+FRONT_DOOR = {"proxy", "locust", "prometheus", "grafana"}
+"""The only services that publish ports on the host (Prometheus and Grafana on loopback only)."""
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -52,6 +52,9 @@ def test_only_the_front_door_publishes_ports(name: str) -> None:
             assert service.get("network_mode") != "host", service_name
             assert service["networks"] == ["backend"], service_name
     assert set(services["proxy"]["networks"]) == {"front", "backend"}
+    for service_name in ("prometheus", "grafana"):
+        for port in services.get(service_name, {}).get("ports", []):
+            assert port.startswith("127.0.0.1:"), (service_name, port)
     if name == "compose.yaml":
         # Workers and Redis need no route out: their network is internal.
         assert compose["networks"]["backend"] == {"internal": True}
@@ -100,3 +103,14 @@ def test_vllm_engines_and_proxy_share_the_api_key(clean_env: pytest.MonkeyPatch)
     proxy = settings_from_args(build_parser().parse_args(services["proxy"]["command"][1:]))
     for backend in proxy.backends:
         assert backend.api_key is not None and backend.api_key.get_secret_value() == "v" * 40
+
+
+def test_grafana_has_no_default_admin() -> None:
+    """An attacker on the host tries Grafana's admin/admin: no admin account exists, and the
+    anonymous role cannot edit."""
+    grafana = load_compose("compose.yaml")["services"]["grafana"]
+    env = environment(grafana)
+    assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == "true"
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
+    assert grafana["profiles"] == ["grafana"]  # not started unless asked for

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
-from pathlib import Path
 
+import pytest
 import yaml
 
 from pdproxy.cli import build_parser, settings_from_args
@@ -51,9 +52,14 @@ def test_base_image_is_a_build_arg() -> None:
 
 def test_copied_paths_exist_are_not_ignored_and_extras_exist() -> None:
     copies = [rest.split() for word, rest in _instructions() if word == "COPY"]
-    sources = [s for parts in copies for s in parts[:-1]]
+    sources = [s.rstrip("/") for parts in copies for s in parts[:-1]]
     assert set(sources) >= {"pyproject.toml", "pdproxy", "kvtier", "loadtest"}
+    # The legacy builder reads only the root .dockerignore; BuildKit the Dockerfile's: same rules.
+    root_ignore = (ROOT / ".dockerignore").read_text().splitlines()
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+    rules = [line for line in ignore if line and not line.startswith("#")]
+    assert rules == [line for line in root_ignore if line and not line.startswith("#")]
+    assert "!.venv" not in rules and rules[0] == "**"
     for src in sources:
         assert (ROOT / src).exists(), src
         assert f"!{src}" in ignore or f"!{src}/**" in ignore, src
@@ -63,13 +69,26 @@ def test_copied_paths_exist_are_not_ignored_and_extras_exist() -> None:
     assert {"worker", "loadtest"} <= set(extras)
 
 
-def test_default_command_is_the_proxy_with_the_example_config() -> None:
+def test_default_command_is_the_proxy_on_all_interfaces_with_backends_from_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cmd = next(rest for word, rest in _instructions() if word == "CMD")
     argv = yaml.safe_load(cmd)
-    assert argv[0] == "pdproxy"
-    args = build_parser().parse_args(argv[1:])
-    assert args.command == "serve"
-    local = ROOT / Path(args.config).relative_to("/app")
-    args.config = local
-    settings = settings_from_args(args)
-    assert settings.backends
+    assert argv == ["pdproxy", "serve"]
+    env = dict(
+        rest.split("=", 1)
+        for word, rest in _instructions()
+        if word == "ENV" and "=" in rest and " " not in rest
+    )
+    assert env["PDPROXY_HOST"] == "0.0.0.0"  # not 127.0.0.1: nothing outside could reach it
+    for key in list(os.environ):
+        if key.startswith("PDPROXY_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PDPROXY_HOST", env["PDPROXY_HOST"])
+    monkeypatch.setenv(
+        "PDPROXY_BACKENDS",
+        '[{"name": "d0", "url": "http://decode:8100", "role": "consumer"}]',
+    )
+    settings = settings_from_args(build_parser().parse_args(argv[1:]))
+    assert settings.host == "0.0.0.0"
+    assert [b.url for b in settings.backends] == ["http://decode:8100"]

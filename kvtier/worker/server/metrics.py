@@ -7,11 +7,12 @@ import os
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvtier.p2p.admission import ServerStats
+from kvtier.worker.latency import TokenLatencies
 from kvtier.worker.p2p_connector import P2PConnector
 from kvtier.worker.worker import Worker
 
@@ -68,6 +69,7 @@ class WorkerCollector(Collector):
         stats = self._worker.stats
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(prefix + name, doc, value=getattr(stats, name))
+        yield from _latency_metrics(stats.latencies)
         publisher = self._worker.events.publisher
         if publisher is not None:
             yield CounterMetricFamily(
@@ -116,6 +118,21 @@ class WorkerCollector(Collector):
         )
         if conn.server is not None:
             yield from _p2p_server_metrics(conn.server.stats())
+
+
+def _latency_metrics(latencies: TokenLatencies) -> Iterator[Metric]:
+    prefix = "kvtier_worker_"
+    for name, doc, hist in (
+        ("time_to_first_token_seconds", "Arrival to first sampled token",
+         latencies.time_to_first_token),
+        ("inter_token_latency_seconds", "Time between consecutive tokens of a request",
+         latencies.inter_token),
+        ("time_per_output_token_seconds", "A finished request's decode time per token after "
+         "the first", latencies.time_per_output_token),
+    ):  # fmt: skip
+        yield HistogramMetricFamily(
+            prefix + name, doc, buckets=hist.cumulative(), sum_value=hist.total
+        )
 
 
 _P2P_SERVER_GAUGES = {
