@@ -40,7 +40,7 @@ def test_torch_is_pinned_like_scripts_dev_and_cpu_by_default() -> None:
     torch_run = next(r for r in runs if '"torch==${TORCH_VERSION}"' in r)
     assert '--index-url "${TORCH_INDEX_URL}"' in torch_run
     # The project install re-states the pin so no resolver swaps the build.
-    assert any('.[worker,loadtest]" "torch==${TORCH_VERSION}"' in r for r in runs)
+    assert any('.[worker,loadtest,otel]" "torch==${TORCH_VERSION}"' in r for r in runs)
 
 
 def test_base_image_is_a_build_arg() -> None:
