@@ -111,10 +111,14 @@ class ProcessGroup:
                 listeners[0].getsockname()[1],
             )  # fmt: skip
             child_settings = per_process_settings(self.settings, self.count)
+            supervisor = os.getpid()
             for index in range(self.count):
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover - runs in the child, which never returns
-                    self._child(index, child_settings, listeners, sibling_sockets, directory)
+                    self._child(
+                        index, child_settings, listeners, sibling_sockets, directory,
+                        supervisor=supervisor,
+                    )  # fmt: skip
                 self.children[pid] = index
             for sock in (*listeners, *sibling_sockets):
                 sock.close()  # the children hold them; a dead child's queue must not linger
@@ -131,12 +135,17 @@ class ProcessGroup:
         listeners: list[socket.socket],
         sibling_sockets: list[socket.socket],
         directory: Path,
+        *,
+        supervisor: int,
     ) -> None:
         status = 1
         try:
             os.setpgid(0, 0)
             _die_with_parent()
-            if os.getppid() == 1:  # the supervisor died before the death signal was set
+            # The supervisor died before the death signal was set. Compared with its pid, not
+            # with 1: in a container the supervisor itself is pid 1.
+            if os.getppid() != supervisor:
+                log.error("proxy process %d: the supervisor is gone; not starting", index)
                 return
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -218,3 +219,36 @@ async def test_the_sibling_channel_is_private_and_not_reachable_over_tcp(fake: F
         auth = {"authorization": f"Bearer {ADMIN_KEY}"}
         for listing in await _on_fresh_connections(port, 6, "GET", "/admin/backends", headers=auth):
             assert all(b["draining"] is False for b in listing.json()["backends"])
+
+
+async def test_a_supervisor_that_is_pid_1_starts_its_workers(fake: FakeFactory) -> None:
+    """In a container the supervisor is pid 1: its children must not take that for "my parent
+    died" (they did, and the compose stack's proxy never started)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("a pid namespace needs root and util-linux's unshare")
+    p, d = await fake("P"), await fake("D")
+    port = free_port()
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-m", "pdproxy.cli",
+         "serve", "--port", str(port), "--workers", "2", "--producer", p.url, "--consumer", d.url,
+         "--log-level", "warning"],
+        env={**os.environ, "PDPROXY_HEALTH__ENABLED": "false"},
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            ready = False
+            for _ in range(600):  # bounded: 60 s
+                try:
+                    ready = (await c.get("/ready")).status_code == 200
+                except httpx.TransportError:
+                    ready = False
+                if ready or proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            assert ready, f"not ready; supervisor exit status {proc.poll()}"
+            metrics = await c.get("/metrics")
+        assert _metric(metrics.text, "pdproxy_proxy_processes") == 2
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(10)
