@@ -12,6 +12,9 @@ message. kvtier keeps that message as it is and adds optional keys, which vLLM's
 - ``"dialect"``: ``nixl``, ``p2p`` or ``none`` (default: the proxy's setting);
 - ``"events_endpoint"`` / ``"events_replay_endpoint"``: its KV event sockets (``tcp://h:p``);
 - ``"leaving": true``: it is shutting down; drain it now rather than at the heartbeat timeout.
+- ``"dp_size"``: its data-parallel ranks behind the one HTTP address (the key vLLM's MoRIIO
+  connector sends), 1 to :data:`MAX_DP_SIZE`; rank ``r`` serves P2P at ``zmq_address``'s port
+  + ``r`` and publishes events at the endpoints' port + ``r``.
 
 For a producer, ``zmq_address`` is where its KV is fetched (kvtier's P2P server, vLLM's NCCL
 side channel), so the proxy checks producers' answers against it (``kv_address``). Other vLLM
@@ -40,6 +43,8 @@ MAX_MESSAGE_BYTES = 4096
 MAX_MODELS = 32
 MAX_KEYS = 16
 MAX_TEXT_CHARS = 255
+MAX_DP_SIZE = 64
+"""Most data-parallel ranks one announcement may declare (each is a routing node)."""
 """An address, endpoint, name or model name."""
 HEARTBEAT_S = 3.0
 """vLLM's ping interval."""
@@ -64,6 +69,7 @@ class Announcement:
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
     leaving: bool = False
+    dp_size: int = 1
 
     @property
     def kv_address(self) -> str | None:
@@ -108,6 +114,8 @@ def encode(announcement: Announcement) -> bytes:
         data["models"] = list(announcement.models)
     if announcement.leaving:
         data["leaving"] = True
+    if announcement.dp_size != 1:
+        data["dp_size"] = announcement.dp_size
     payload: bytes = msgpack.packb(data)
     if len(payload) > MAX_MESSAGE_BYTES:
         raise AnnouncementError(f"announcement over {MAX_MESSAGE_BYTES} bytes")
@@ -151,6 +159,17 @@ def decode(payload: bytes) -> Announcement:
     leaving = data.get("leaving", False)
     if not isinstance(leaving, bool):
         raise AnnouncementError("leaving must be a boolean")
+    dp_size = data.get("dp_size", 1)
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or not 0 < dp_size <= MAX_DP_SIZE:
+        raise AnnouncementError(f"dp_size must be an integer in [1, {MAX_DP_SIZE}]")
+    ranked_ports = [
+        text["zmq_address"] or "",
+        *(text[k] or "" for k in ("events_endpoint", "events_replay_endpoint")),
+    ]
+    for address in ranked_ports:
+        port = address.rpartition(":")[2]
+        if port.isascii() and port.isdigit() and int(port) + dp_size - 1 > 65535:
+            raise AnnouncementError("dp_size ranks would use ports past 65535")
     return Announcement(
         kind=kind,
         http_address=http_address,
@@ -161,6 +180,7 @@ def decode(payload: bytes) -> Announcement:
         events_endpoint=text["events_endpoint"],
         events_replay_endpoint=text["events_replay_endpoint"],
         leaving=leaving,
+        dp_size=dp_size,
     )
 
 

@@ -64,6 +64,8 @@ class BenchConfig:
     api_key: str | None = None
     seed: int = 0
     progress: bool = False
+    more_base_urls: tuple[str, ...] = ()
+    """Other replicas of the same service: requests go to ``base_url`` and these in turn."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +174,7 @@ async def run_benchmark(
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     rng = random.Random(config.seed)
     records: list[RequestRecord] = []
+    urls = (config.base_url, *config.more_base_urls)
     in_flight = 0
     max_in_flight = 0
     counter = 0
@@ -185,7 +188,8 @@ async def run_benchmark(
                 in_flight += 1
                 max_in_flight = max(max_in_flight, in_flight)
                 try:
-                    record = await send_request(http, config.base_url, spec, req_headers, clock0)
+                    url = urls[counter % len(urls)]
+                    record = await send_request(http, url, spec, req_headers, clock0)
                 finally:
                     in_flight -= 1
             records.append(record)

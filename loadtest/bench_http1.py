@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,15 +36,10 @@ import orjson
 from pdproxy.http1 import HostPool
 from pdproxy.origin import split_url
 from pdproxy.settings import UpstreamSettings
+from pdproxy.stack.ports import free_port
 
 _PATH = "/v1/completions"
 _HEADERS = {"content-type": "application/json", "x-request-id": "bench-0123456789abcdef"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _body(stream: bool) -> bytes:
@@ -207,7 +201,7 @@ async def _wait_ready(url: str) -> None:
 
 
 async def _bench(args: argparse.Namespace) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with _fake_engine(port):
         await _wait_ready(url)

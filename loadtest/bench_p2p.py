@@ -1,7 +1,7 @@
 """Benchmark: kvtier P2P moving 256 MiB of KV pages over loopback (prints; asserts nothing).
 
     python -m loadtest.bench_p2p [--tokens 8192] [--token-kib 32] [--block-size 16] [--repeat 5]
-                                 [--loop uvloop|asyncio]
+                                 [--loop uvloop|asyncio] [--ends processes|threads]
 
 In one run, on this machine:
 
@@ -23,8 +23,12 @@ page key, delivered under the session key) verified by the consumer before the p
 installed. Targets (issue 15): cold ≥ 0.7x and warm ≥ 0.8x the raw socket. Both ends run on
 uvloop by default, as the worker does under uvicorn (``--loop asyncio`` for the stdlib loop).
 
-The producer's server runs on its own event loop thread, the consumer on the main loop; pools are
-``kvtier.pages.HostPages`` (pinned when CUDA is present) behind ``HostPagePool``. Prints GB/s,
+The producer (``loadtest.p2p_producer``) runs on threads of this process by default (its Python
+then competes with the consumer's for one interpreter lock, which no deployment does; on a
+busy 2-core machine this measured no worse than ``--ends processes``, which gives it its own
+process as a prefill worker has); its server has its own event loop thread, the consumer runs
+on the main loop; pools are ``kvtier.pages.HostPages`` (pinned when CUDA is present) behind
+``HostPagePool``. CPU columns add the producer process's CPU time during the fetch. Prints GB/s,
 the ratio to the raw socket, and warm/cold time (best of ``--repeat``; medians in brackets).
 """
 
@@ -40,49 +44,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-import uvloop
 from pydantic import SecretStr
 
 from kvtier.keys import BlockHasher, OffloadKey, offload_key
-from kvtier.offload import HostPagePool, TieringManager
-from kvtier.offload.types import ReqContext, RequestId
-from kvtier.p2p import (
-    LayoutFingerprint,
-    LocalIdentity,
-    P2PClient,
-    P2PServer,
-    P2PSettings,
-    P2PTier,
-    PoolSink,
-    SupplyRegistry,
-)
+from kvtier.offload import HostPagePool
+from kvtier.p2p import LayoutFingerprint, LocalIdentity, P2PClient, P2PSettings, PoolSink
 from kvtier.p2p.sealing import PageOpener, PageSealer
-from kvtier.pages import CopyDirection, DevicePages, HostPages, PageCopier
+from kvtier.pages import HostPages
+from loadtest.p2p_producer import LOOPS, Producer, ProducerProcess, Shape
 
 GIB = 1 << 30
-LoopFactory = Callable[[], asyncio.AbstractEventLoop]
-LOOPS: dict[str, LoopFactory] = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 _SOCKET_BUFFER = 4 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    tokens: int
-    token_bytes: int
-    block_size: int
-
-    @property
-    def blocks(self) -> int:
-        return self.tokens // self.block_size
-
-    @property
-    def page_bytes(self) -> int:
-        return self.block_size * self.token_bytes
-
-    @property
-    def total(self) -> int:
-        return self.blocks * self.page_bytes
+ProducerEnd = Producer | ProducerProcess
 
 
 # ---- 1. raw socket ----------------------------------------------------------------------------
@@ -136,65 +109,16 @@ def mac_only_s(pages: HostPages, count: int) -> float:
     return time.perf_counter() - t0
 
 
+def _filled_pages(shape: Shape) -> HostPages:
+    """Source pages for the raw socket when the producer's pages live in another process."""
+    pages = HostPages(shape.blocks, shape.page_bytes)
+    for i in range(shape.blocks):
+        view = pages.page_view(i)
+        view[:] = bytes([i % 251]) * len(view)
+    return pages
+
+
 # ---- 2./3. kvtier P2P -----------------------------------------------------------------------
-
-
-class Producer:
-    """A prefill worker: device pages, host pool, tiering manager with the P2P tier, server."""
-
-    def __init__(
-        self,
-        shape: Shape,
-        fingerprint: LayoutFingerprint,
-        settings: P2PSettings,
-        new_loop: LoopFactory,
-    ) -> None:
-        self.shape = shape
-        block_elems = shape.page_bytes // 2
-        self.device = DevicePages.allocate(shape.blocks, (block_elems,), torch.float16)
-        self.device.block_bytes.copy_(
-            torch.arange(self.device.block_bytes.numel(), dtype=torch.int64)
-            .remainder(251)
-            .to(torch.uint8)
-            .reshape(self.device.block_bytes.shape)
-        )
-        self.host = HostPages(shape.blocks, shape.page_bytes)
-        self.pool = HostPagePool(self.host)
-        self.copier = PageCopier(self.device, self.host, 1)
-        self.registry = SupplyRegistry(settings.lease_s)
-        self.tier = P2PTier(self.pool, self.registry, fingerprint)
-        self.manager = TieringManager(self.pool, [self.tier])
-        identity = LocalIdentity.from_settings("producer", fingerprint, settings)
-        self.loop = new_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = P2PServer(settings, identity, self.registry)
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
-
-    def prefill(self, kv_request_id: str, keys: list[OffloadKey], chunk: int = 32) -> None:
-        """One producer leg (runs on the calling "engine" thread)."""
-        ctx = ReqContext(
-            RequestId(f"prefill-{kv_request_id}"),
-            kv_transfer_params={"remote_decoder": {"kv_request_id": kv_request_id}},
-        )
-        self.manager.on_new_request(ctx)
-        for start in range(0, len(keys), chunk):
-            out = self.manager.prepare_store(keys[start : start + chunk], ctx)
-            if out.keys_to_store:
-                blocks = [start + keys[start:].index(k) for k in out.keys_to_store]
-                job = self.copier.submit(
-                    CopyDirection.DEVICE_TO_HOST, blocks, list(out.store_spec.page_indices)
-                )
-                self.copier.wait(job, 30.0)
-                self.manager.complete_store(out.keys_to_store, ctx, True)
-        self.manager.on_request_finished(ctx)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-        self.manager.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +147,7 @@ def fmt(samples: list[Sample], total: int, base: list[Sample] | None) -> str:
     return line
 
 
-async def run(shape: Shape, repeat: int, new_loop: LoopFactory) -> None:
+async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
     fingerprint = LayoutFingerprint("bench-model", shape.block_size, "float16", (shape.page_bytes,))
     settings = P2PSettings(
         secret=SecretStr("bench-secret"),  # the authenticated path, as in production
@@ -231,7 +155,14 @@ async def run(shape: Shape, repeat: int, new_loop: LoopFactory) -> None:
         fetch_timeout_s=60,
         lease_s=60,
     )
-    producer = Producer(shape, fingerprint, settings, new_loop)
+    producer: ProducerEnd
+    if ends == "processes":
+        producer = ProducerProcess(shape, fingerprint, settings, loop)
+        producer_cpu: Callable[[], float] = producer.cpu_s
+    else:
+        producer = Producer(shape, fingerprint, settings, loop)
+        producer_cpu = float  # one process: time.process_time() below counts both ends
+    source_host = producer.host if isinstance(producer, Producer) else _filled_pages(shape)
     consumer_host = HostPages(shape.blocks, shape.page_bytes)
     identity = LocalIdentity.from_settings("consumer", fingerprint, settings)
 
@@ -240,29 +171,30 @@ async def run(shape: Shape, repeat: int, new_loop: LoopFactory) -> None:
 
     async def p2p(kv_request_id: str, keys: list[OffloadKey]) -> tuple[Sample, Sample]:
         """(producer leg, fetch): the consumer leg starts once the producer has answered."""
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        await asyncio.to_thread(producer.prefill, kv_request_id, keys)
-        cpu1, t1 = time.process_time(), time.perf_counter()
+        leg = await asyncio.to_thread(producer.prefill, kv_request_id, keys)
         client = client_for(HostPagePool(consumer_host))  # a consumer holding none of the keys
+        remote0 = producer_cpu()
+        cpu1, t1 = time.process_time(), time.perf_counter()
         try:
             result = await client.fetch(
-                "127.0.0.1", producer.server.port, kv_request_id, keys, time.monotonic() + 60
+                "127.0.0.1", producer.port, kv_request_id, keys, time.monotonic() + 60
             )
         finally:
             await client.close()
         cpu2, t2 = time.process_time(), time.perf_counter()
+        remote = producer_cpu() - remote0
         if not result.complete:
             raise RuntimeError(f"fetch incomplete: {result.usable}/{len(keys)}: {result.reason}")
-        return Sample(t1 - t0, cpu1 - cpu0), Sample(t2 - t1, cpu2 - cpu1)
+        return Sample(leg.wall_s, leg.cpu_s), Sample(t2 - t1, cpu2 - cpu1 + remote)
 
     hasher = BlockHasher("bench-model", shape.block_size)
     kinds = ("raw", "cold", "warm", "cold_leg", "warm_leg", "mac")
     rows: dict[str, list[Sample]] = {k: [] for k in kinds}
     try:
-        raw_socket_s(producer.host, consumer_host, shape.blocks)  # warm-up: fault pages in
+        raw_socket_s(source_host, consumer_host, shape.blocks)  # warm-up: fault pages in
         for rep in range(repeat):
             rows["raw"].append(
-                measured(lambda: raw_socket_s(producer.host, consumer_host, shape.blocks))
+                measured(lambda: raw_socket_s(source_host, consumer_host, shape.blocks))
             )
             tokens = [(rep * 7919 + i) % 50_000 for i in range(shape.tokens)]
             keys = [offload_key(h, 0) for h in hasher.hash_tokens(tokens)]
@@ -270,7 +202,7 @@ async def run(shape: Shape, repeat: int, new_loop: LoopFactory) -> None:
                 leg, fetch = await p2p(f"{kind}-{rep}", keys)
                 rows[f"{kind}_leg"].append(leg)
                 rows[kind].append(fetch)
-            rows["mac"].append(measured(lambda: mac_only_s(producer.host, shape.blocks)))
+            rows["mac"].append(measured(lambda: mac_only_s(source_host, shape.blocks)))
     finally:
         producer.close()
     raw = rows["raw"]
@@ -322,6 +254,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
+        "--ends",
+        choices=("processes", "threads"),
+        default="threads",
+        help="producer on threads of this process, or in its own (as deployed)",
+    )
+    parser.add_argument(
         "--loop",
         choices=("uvloop", "asyncio"),
         default="uvloop",
@@ -329,10 +267,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     shape = Shape(args.tokens, args.token_kib * 1024, args.block_size)
-    new_loop = LOOPS[args.loop]
-    print(f"event loop: {args.loop}")
-    with asyncio.Runner(loop_factory=new_loop) as runner:
-        runner.run(run(shape, max(args.repeat, 1), new_loop))
+    print(f"event loop: {args.loop}; producer and consumer in separate {args.ends}")
+    with asyncio.Runner(loop_factory=LOOPS[args.loop]) as runner:
+        runner.run(run(shape, max(args.repeat, 1), args.loop, args.ends))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,14 +42,9 @@ import aiohttp
 import orjson
 
 from loadtest.otlp_sink import OtlpSink
+from pdproxy.stack.ports import free_port
 
 _TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -235,7 +229,7 @@ def _proxy_argv(port: int, p_url: str, d_url: str) -> list[str]:
 
 
 async def _bench(args: argparse.Namespace) -> list[Cell]:
-    p_port, d_port, x_port, b_port = _free_port(), _free_port(), _free_port(), _free_port()
+    p_port, d_port, x_port, b_port = free_port(), free_port(), free_port(), free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     proxy_url, baseline_url = f"http://127.0.0.1:{x_port}", f"http://127.0.0.1:{b_port}"
     # One process each: CPU per request compares like with like (a tree without --workers

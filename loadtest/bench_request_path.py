@@ -29,7 +29,8 @@ from typing import Any
 
 import orjson
 
-from loadtest.bench_proxy import _free_port, _process
+from loadtest.bench_proxy import _process
+from pdproxy.stack.ports import free_port
 
 
 async def _drive(p_url: str, d_url: str, n: int, stream: bool) -> dict[str, float]:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     this = str(Path(__file__).resolve().parents[1])
     trees = {"this": this, "baseline": args.baseline_tree or this}
-    p_port, d_port = _free_port(), _free_port()
+    p_port, d_port = free_port(), free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     backends = [sys.executable, "-m", "loadtest.fake_backend", "--chunks", "64",
                 "--listen", f"P={p_port}", "--listen", f"D={d_port}"]  # fmt: skip

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -36,7 +34,10 @@ import httpx
 import orjson
 import yaml
 
+from loadtest.serving_metrics import nearest_rank
+from loadtest.vllm_fleet import run_with_vllm
 from pdproxy.stack.plan import StackOptions
+from pdproxy.stack.ports import free_port
 from pdproxy.stack.supervisor import Supervisor
 from pdproxy.stack.vllm_engine import SERVED_NAME, VllmPaths
 from pdproxy.stack.vllm_plan import build_vllm_plan
@@ -56,12 +57,6 @@ class Sample:
     ttft_s: float
     e2e_s: float
     disaggregated: bool
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stream(client: httpx.Client, url: str, body: dict[str, Any], t0: float) -> tuple[float, str]:
@@ -97,18 +92,18 @@ def proxied(client: httpx.Client, proxy: str, body: dict[str, Any]) -> Sample:
     return Sample(ttft, time.perf_counter() - t0, disaggregated="producer" in timing)
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def report(direct_s: Sequence[Sample], proxy_s: Sequence[Sample]) -> str:
     rows = [f"{'metric':<10} {'direct p50':>11} {'proxy p50':>10} {'ratio':>6} "
             f"{'direct p90':>11} {'proxy p90':>10} {'ratio':>6}"]  # fmt: skip
     for name, field in (("TTFT ms", "ttft_s"), ("E2E ms", "e2e_s")):
         d = [float(getattr(s, field)) * 1e3 for s in direct_s]
         p = [float(getattr(s, field)) * 1e3 for s in proxy_s]
-        d50, p50, d90, p90 = _pct(d, 0.5), _pct(p, 0.5), _pct(d, 0.9), _pct(p, 0.9)
+        d50, p50, d90, p90 = (
+            nearest_rank(d, 0.5),
+            nearest_rank(p, 0.5),
+            nearest_rank(d, 0.9),
+            nearest_rank(p, 0.9),
+        )
         rows.append(f"{name:<10} {d50:>11.0f} {p50:>10.0f} {p50 / d50:>6.2f} "
                     f"{d90:>11.0f} {p90:>10.0f} {p90 / d90:>6.2f}")  # fmt: skip
     pd = sum(s.disaggregated for s in proxy_s)
@@ -123,15 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=12, help="per side (12)")
     parser.add_argument("--prompt-tokens", type=int, default=640)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    args = parser.parse_args(argv)
-    paths = VllmPaths.resolve()
-    problem = paths.problem()
-    if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    return run_with_vllm(parser, argv, _run)
+
+
+def _run(args: argparse.Namespace, paths: VllmPaths) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    options = StackOptions(port=_free_port())
+    options = StackOptions(port=free_port())
     plan = build_vllm_plan(options, paths, run_dir)
     plan.config_path.write_text(yaml.safe_dump(plan.proxy_config, sort_keys=False))
     producer, consumer = (b["url"] for b in plan.proxy_config["backends"])

@@ -41,7 +41,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from loadtest.bench_proxy import _free_port, _pct, _process, _run_cell, _wait_ready
+from loadtest.bench_proxy import _pct, _process, _run_cell, _wait_ready
+from pdproxy.stack.ports import free_port
 
 ROUTER_VERSION = "0.1.17"
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -265,7 +266,7 @@ Results = dict[tuple[str, str], Tally]
 
 
 async def _bench(args: argparse.Namespace) -> tuple[list[Load], list[str], Results]:
-    p_port, d_port = _free_port(), _free_port()
+    p_port, d_port = free_port(), free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     env = {**os.environ, "PDPROXY_HEALTH__ENABLED": "false"}
     env.pop("PDPROXY_WORKERS", None)
@@ -276,18 +277,18 @@ async def _bench(args: argparse.Namespace) -> tuple[list[Load], list[str], Resul
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         stack.enter_context(_process(backends))
         targets: list[Target] = []
-        port = _free_port()
+        port = free_port()
         argv = _router_argv(args.router_binary, port, p_url, d_url)
         targets.append(Target("router", f"http://127.0.0.1:{port}",
                               stack.enter_context(_quiet_process(argv, env))))  # fmt: skip
         for workers in args.workers:
-            port = _free_port()
+            port = free_port()
             argv = _pdproxy_argv(port, p_url, d_url, workers)
             name = f"pdproxy-w{workers or os.cpu_count()}"
             pid = stack.enter_context(_quiet_process(argv, env))
             targets.append(Target(name, f"http://127.0.0.1:{port}", pid))
         if args.baseline_tree:
-            port = _free_port()
+            port = free_port()
             argv = [a for a in _pdproxy_argv(port, p_url, d_url, 1) if a not in ("--workers", "1")]
             base_env = {**env, "PYTHONPATH": args.baseline_tree}
             pid = stack.enter_context(_quiet_process(argv, base_env, cwd=args.baseline_tree))

@@ -27,14 +27,15 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_proxy import _free_port, _process, _run_cell, _wait_ready
+from loadtest.bench_proxy import _process, _run_cell, _wait_ready
 from loadtest.bench_vs_router import _body, _post
+from pdproxy.stack.ports import free_port
 
 
 async def _instructions(
     tree: Path, p_url: str, d_url: str, args: argparse.Namespace, out_dir: Path
 ) -> float:
-    port = _free_port()
+    port = free_port()
     out = out_dir / f"callgrind.{port}"
     argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
             sys.executable, "-m", "pdproxy.cli", "serve", "--port", str(port), "--workers", "1",
@@ -79,7 +80,7 @@ async def _wait_up(session: aiohttp.ClientSession, url: str, timeout_s: float = 
 
 
 async def _bench(args: argparse.Namespace, trees: dict[str, Path]) -> dict[str, float]:
-    p_port, d_port = _free_port(), _free_port()
+    p_port, d_port = free_port(), free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     backends = [sys.executable, "-m", "loadtest.fake_backend",
                 "--listen", f"P={p_port}", "--listen", f"D={d_port}"]  # fmt: skip

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from pdproxy.stack.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +31,6 @@ class StackDidNotStart(RuntimeError):
     """The local stack exited or did not get ready in time."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def local_stack(
     stack_args: Sequence[str], startup_timeout_s: float = 180.0
@@ -47,7 +42,7 @@ def local_stack(
         log_path = run_dir / "stack.log"
         argv = [
             sys.executable, "-m", "pdproxy.stack", *stack_args,
-            "--port", str(_free_port()),
+            "--port", str(free_port()),
             "--run-dir", str(run_dir / "run"),
             "--ready-file", str(ready),
             "--status-interval", "0",

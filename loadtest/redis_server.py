@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from pdproxy.stack.ports import free_port
+
 
 @contextmanager
 def own_redis_server() -> Iterator[str]:
@@ -17,9 +19,7 @@ def own_redis_server() -> Iterator[str]:
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server is not installed (scripts/dev installs it); or pass a URL")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as workdir:
         proc = subprocess.Popen(
             [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",

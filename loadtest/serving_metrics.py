@@ -58,6 +58,13 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of unsorted ``values``: the sample at the nearest rank, no
+    interpolation (the few-sample benchmarks' rule: every figure is a measured one)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def _samples(records: Sequence[RequestRecord], metric: str) -> list[float]:
     ok = [r for r in records if r.ok]
     if metric == "ttft":

@@ -85,8 +85,16 @@ class Backend:
         return self.config.events_endpoint
 
     @property
+    def kv_engine_id(self) -> str | None:
+        return self.config.kv_engine_id
+
+    @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.config.data_parallel_size
 
     @property
     def routable(self) -> bool:

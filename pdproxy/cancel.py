@@ -25,7 +25,7 @@ CONSUMER_IDLE = "consumer_idle"
 
 
 class RequestCanceller:
-    __slots__ = ("_armed", "_hook", "_task", "_watch", "reason")
+    __slots__ = ("_armed", "_hook", "_left", "_task", "_watch", "reason")
 
     def __init__(self, receive: Receive, hook: DisconnectHook | None = None) -> None:
         """``hook``: the server reports the client's disconnect there (no watcher task)."""
@@ -34,6 +34,7 @@ class RequestCanceller:
             raise RuntimeError("RequestCanceller needs a running task")
         self._task = task
         self._armed = False
+        self._left = False
         self.reason: str | None = None
         self._hook = hook
         self._watch: asyncio.Task[None] | None = None
@@ -55,6 +56,8 @@ class RequestCanceller:
                 return
 
     def fire(self, reason: str) -> None:
+        if reason == CLIENT_DISCONNECT:
+            self._left = True
         if self.reason is None:
             self.reason = reason
         if self._armed:
@@ -72,6 +75,16 @@ class RequestCanceller:
             yield
         finally:
             self._armed = False
+
+    def rearm(self, reason: str) -> bool:
+        """Forget a fired ``reason`` (a stalled consumer being replaced mid-stream) so the
+        request can arm again; False, and the reason becomes the client's, if it left."""
+        if self._left:
+            self.reason = CLIENT_DISCONNECT
+            return False
+        if self.reason == reason:
+            self.reason = None
+        return self.reason is None
 
     def owns(self, exc: asyncio.CancelledError) -> bool:
         """True if ``exc`` is this canceller's doing; then the task's cancel is undone."""

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 
 from pdproxy.backends import Backend
+from pdproxy.dp_ranks import chosen_rank, with_rank_header
 from pdproxy.errors import LegFailed, LegRefused, NoBackendAvailable
+from pdproxy.failover import MigratingRelay
 from pdproxy.headers import leg_headers
 from pdproxy.lease import RequestLease
 from pdproxy.legs import ROUTE_PATHS
@@ -22,6 +25,9 @@ from pdproxy.metrics import ProxyMetrics
 from pdproxy.relay import Relay, find_cached_tokens
 from pdproxy.retry import NO_DEADLINE, RetryPolicy
 from pdproxy.upstream import Upstream
+
+if TYPE_CHECKING:
+    from pdproxy.failover_plan import MigrationPlan
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +57,22 @@ class ConsumerPhase:
         consumers: list[Backend],
         base: dict[str, str],
         stream: bool,
+        *,
+        plan: MigrationPlan | None = None,
     ) -> Response | Relay:
         canceller = lease.canceller
         assert canceller is not None
         path = ROUTE_PATHS[lease.route]
         t = time.perf_counter()
         failure: LegFailed | None = None
+        ranks = lease.decision.consumer_ranks if lease.decision is not None else None
         for attempt, consumer in enumerate(consumers[: self._retry.consumer_attempts]):
             if attempt:
                 if not await self._retry.pause("consumer", attempt, NO_DEADLINE, canceller):
                     break
                 lease.retries += 1
             headers = leg_headers(base, lease.request_id, "consumer", attempt, consumer.auth_header)
+            with_rank_header(headers, chosen_rank(ranks, consumer.name))
             hold = lease.hold(consumer)
             try:
                 with canceller.armed():
@@ -98,7 +108,7 @@ class ConsumerPhase:
                 lease.cached_tokens = find_cached_tokens(opened.first)
                 self._metrics.observe_leg("consumer", consumer.name, time.perf_counter() - t)
                 return Response(opened.first, status_code=status, headers=client_headers)
-            return Relay(
+            relay = Relay(
                 upstream=opened.response,
                 first=opened.first,
                 status=status,
@@ -108,4 +118,8 @@ class ConsumerPhase:
                 idle_s=self._idle_s,
                 t0=t,
             )
+            if plan is not None:  # mid-stream failover (pdproxy.failover)
+                tried = {c.name for c in consumers[: attempt + 1]}
+                return MigratingRelay(relay, plan, consumers, tried, base)
+            return relay
         raise failure or NoBackendAvailable("no consumer to try")

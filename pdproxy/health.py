@@ -16,10 +16,10 @@ there, so a model loaded later is picked up).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from kvtier.tasks import cancel_and_wait
 from pdproxy.backends import Backend, BackendRegistry
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.settings import HealthSettings
@@ -55,11 +55,8 @@ class HealthChecker:
         for task in confirming:
             task.cancel()
         await asyncio.gather(*confirming, return_exceptions=True)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        running, self._task = self._task, None
+        await cancel_and_wait(running)
 
     async def _run(self) -> None:
         while True:

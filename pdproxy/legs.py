@@ -24,6 +24,7 @@ import orjson
 
 from pdproxy.body import ClientBody
 from pdproxy.errors import KvAddressMismatch, LegFailed
+from pdproxy.routing.pull_source import PullSource
 from pdproxy.settings import Dialect
 
 KvRequestId = NewType("KvRequestId", str)
@@ -142,3 +143,13 @@ def _check_address(producer: str, kvp: Mapping[str, Any], expected: tuple[str, i
         raise KvAddressMismatch(
             producer, f"producer named KV address {host!r}:{port!r}, not its configured one"
         )
+
+
+def with_kv_source(params: Mapping[str, Any] | None, source: PullSource) -> dict[str, Any]:
+    """``params`` (a p2p producer leg's, or none for a consumer alone) plus
+    ``remote_kv_source``: the leg's node pulls the prompt's prefix from ``source``'s P2P
+    server before computing the rest. The address is the holder's configured ``kv_address``."""
+    kv_source: dict[str, Any] = {"remote_host": source.host, "remote_port": source.port}
+    if source.engine_id is not None:
+        kv_source["remote_engine_id"] = source.engine_id
+    return {**(params or {}), "remote_kv_source": kv_source}

@@ -14,6 +14,7 @@ from typing import Any
 
 from pdproxy.backends import Backend
 from pdproxy.body import ClientBody
+from pdproxy.dp_ranks import chosen_rank, offset_port, with_rank_header
 from pdproxy.errors import KvAddressMismatch, LegFailed, LegRefused
 from pdproxy.headers import leg_headers
 from pdproxy.lease import RequestLease
@@ -23,10 +24,12 @@ from pdproxy.legs import (
     new_kv_request_id,
     producer_body,
     producer_kv_params,
+    with_kv_source,
 )
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.release import Supply
 from pdproxy.retry import RetryPolicy
+from pdproxy.routing.pull_source import PullSource
 from pdproxy.settings import Dialect
 from pdproxy.upstream import Upstream
 
@@ -46,14 +49,18 @@ class ProducerPhase:
         producers: list[Backend],
         dialect: Dialect,
         base: dict[str, str],
+        *,
+        kv_source: PullSource | None = None,
     ) -> dict[str, Any] | None:
         """The consumer's ``kv_transfer_params`` (the supply is then ``lease.supply``), or None
-        when every attempt failed."""
+        when every attempt failed. ``kv_source``: each producer but the holder itself pulls
+        the prefix from there first (p2p)."""
         canceller = lease.canceller
         assert canceller is not None
         path = ROUTE_PATHS[lease.route]
         t = time.perf_counter()
         deadline = t + self._retry.producer_budget_s
+        ranks = lease.decision.producer_ranks if lease.decision is not None else None
         try:
             for attempt, producer in enumerate(producers[: self._retry.producer_attempts]):
                 if attempt:
@@ -61,12 +68,17 @@ class ProducerPhase:
                         break
                     lease.retries += 1
                 kv_id = new_kv_request_id()
-                supply = Supply(producer, kv_id, dialect)
-                leg = producer_body(body, producer_kv_params(dialect, kv_id))
+                rank = chosen_rank(ranks, producer.name)
+                supply = Supply(producer, kv_id, dialect, rank)
+                params = producer_kv_params(dialect, kv_id)
+                if kv_source is not None and producer.name != kv_source.holder:
+                    params = with_kv_source(params, kv_source)
+                leg = producer_body(body, params)
                 headers = leg_headers(
                     base, lease.request_id, "producer", attempt, producer.auth_header
                 )
-                address = producer.kv_address
+                with_rank_header(headers, rank)
+                address = offset_port(producer.kv_address, rank)
                 t_leg = time.perf_counter()
                 hold = lease.hold(producer)
                 try:

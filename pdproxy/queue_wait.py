@@ -11,12 +11,12 @@ listening, so no request ever buffers more than that before it is admitted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
+from kvtier.tasks import cancel_and_wait
 from pdproxy.lease import RequestLease
 
 
@@ -40,8 +40,4 @@ async def wait_for_slot(lease: RequestLease, receive: Receive) -> list[Message]:
         await admitted
         return received
     finally:
-        for task in (admitted, watch):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(*(t for t in (admitted, watch) if t is not None and not t.done()))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import orjson
 
 from pdproxy.backends import Backend
+from pdproxy.dp_ranks import with_rank_header
 from pdproxy.legs import KvRequestId
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.request_ids import REQUEST_ID_HEADER, LegRequestId
@@ -33,6 +34,8 @@ class Supply:
     producer: Backend
     kv_request_id: KvRequestId
     dialect: Dialect
+    rank: int | None = None
+    """The producer's data-parallel rank that holds it (None: not rank-routed)."""
 
 
 class SupplyReleaser:
@@ -54,6 +57,7 @@ class SupplyReleaser:
         headers = {"content-type": "application/json", REQUEST_ID_HEADER: request_id}
         if producer.auth_header is not None:
             headers["authorization"] = producer.auth_header
+        with_rank_header(headers, supply.rank)
         body = orjson.dumps({"kv_request_id": supply.kv_request_id})
         try:
             status = await self._upstream.post_json(producer.url + RELEASE_PATH, body, headers)

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from pdproxy.admission import Admission, ModelAdmission
-from pdproxy.backends import BackendRegistry
+from pdproxy.backends import Backend, BackendRegistry
 from pdproxy.body import ClientBody, decode_body
 from pdproxy.cancel import RequestCanceller
 from pdproxy.candidates import candidates
@@ -39,13 +39,14 @@ from pdproxy.errors import (
     LegRefused,
     NoBackendAvailable,
 )
+from pdproxy.failover_plan import StreamFailover
 from pdproxy.front_protocol import DISCONNECT_HOOK
 from pdproxy.headers import ROUTE_EXPLAIN, wants_route_explain
 from pdproxy.health import HealthChecker
 from pdproxy.http_errors import client_error_response, error_response
 from pdproxy.intake import ClientKeys, check_declared_size, check_kv_params, read_body
 from pdproxy.lease import LeasedResponse, RequestLease
-from pdproxy.legs import consumer_body
+from pdproxy.legs import consumer_body, with_kv_source
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.model_catalog import ModelCatalog
 from pdproxy.producer_phase import ProducerPhase
@@ -56,7 +57,9 @@ from pdproxy.request_ids import client_request_id, new_request_id
 from pdproxy.retry import RetryPolicy
 from pdproxy.routing.base import Router, RouteRequest
 from pdproxy.routing.explain_header import route_explain_value
-from pdproxy.settings import ProxySettings
+from pdproxy.routing.pull_source import PullSource
+from pdproxy.routing.session import session_of
+from pdproxy.settings import Dialect, ProxySettings
 from pdproxy.trace_context import trace_headers
 from pdproxy.upstream import Upstream
 
@@ -105,6 +108,9 @@ class RequestPath:
             idle_s=settings.timeouts.consumer_idle_s, server_timing=settings.server_timing,
         )  # fmt: skip
         self._debug_headers = settings.debug_headers
+        self._failover = StreamFailover(
+            settings.failover, upstream, metrics, first_attempts=retry.consumer_attempts
+        )
 
     # ------------------------------------------------------------------ entry point
 
@@ -211,7 +217,10 @@ class RequestPath:
         trace = lease.trace
         if trace is not None:
             trace.routing()
-        request = RouteRequest(lease.request_id, lease.route, body.data, len(body.raw))
+        request = RouteRequest(
+            lease.request_id, lease.route, body.data, len(body.raw),
+            session=session_of(headers, body.data),
+        )  # fmt: skip
         decision = await self._router.route(request, pool.producers, pool.consumers)
         lease.decision = decision
         if trace is not None:
@@ -222,6 +231,8 @@ class RequestPath:
         if not decision.consumers:
             raise NoBackendAvailable("the router chose no consumer")
         base = {"content-type": "application/json", **trace_headers(headers)}
+        # A pull names a holder from configuration; never mixed with a client's own params.
+        pull = decision.pull if pool.dialect is Dialect.P2P and not passthrough else None
 
         kv_params = None
         if decision.producers:
@@ -230,6 +241,7 @@ class RequestPath:
             kv_params = await self._producers.run(
                 lease, body, producers, pool.dialect,
                 base if trace is None else trace.leg("producer", producers, base),
+                kv_source=pull,
             )  # fmt: skip
             if trace is not None:
                 trace.producer_done(lease, kv_params is not None)
@@ -241,13 +253,50 @@ class RequestPath:
                 log.warning("request %s: producers failed; consumer serves alone", lease.request_id)
         lease.stage = "consumer"
         consumers = list(decision.consumers)
+        if pull is not None and not decision.producers:
+            return await self._pulling_consumer(lease, body, consumers, pull, base)
+        stream = body.data.get("stream") is True
+        plan = self._failover.plan(lease.route, body, stream)
         return await self._consumers.run(
             lease,
-            consumer_body(body, kv_params),
+            consumer_body(body, kv_params) if plan is None else plan.first_leg(kv_params),
             consumers,
             base if trace is None else trace.leg("consumer", consumers, base),
-            stream=body.data.get("stream") is True,
+            stream=stream,
+            plan=plan,
         )
+
+    async def _pulling_consumer(
+        self,
+        lease: RequestLease,
+        body: ClientBody,
+        consumers: list[Backend],
+        pull: PullSource,
+        base: dict[str, str],
+    ) -> Response | Relay:
+        """The consumer alone pulls the prefix from ``pull.holder``; failover goes to the other
+        consumers with the same pull, and last to the holder itself without one."""
+        targets = [c for c in consumers if c.name != pull.holder]
+        holder = [c for c in consumers if c.name == pull.holder]
+        trace = lease.trace
+        log.debug(
+            "request %s: %s pulls %d blocks from %s",
+            lease.request_id, targets[0].name if targets else "-", pull.blocks, pull.holder,
+        )  # fmt: skip
+        try:
+            return await self._consumers.run(
+                lease, consumer_body(body, with_kv_source(None, pull)), targets,
+                base if trace is None else trace.leg("consumer", targets, base),
+                stream=body.data.get("stream") is True,
+            )  # fmt: skip
+        except (LegFailed, NoBackendAvailable):
+            if not holder:
+                raise
+        return await self._consumers.run(
+            lease, body.raw, holder,
+            base if trace is None else trace.leg("consumer", holder, base),
+            stream=body.data.get("stream") is True,
+        )  # fmt: skip
 
     async def drain_background(self, timeout_s: float) -> None:
         """Wait (bounded) for pending P2P releases; used at shutdown."""

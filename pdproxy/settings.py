@@ -31,7 +31,9 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from kvtier.events.ranks import offset_endpoint
 from pdproxy.errors import ConfigError
+from pdproxy.failover_settings import FailoverSettings
 from pdproxy.membership.settings import MembershipSettings
 from pdproxy.model_settings import ModelsSettings, check_model_name
 from pdproxy.origin import base_prefix
@@ -76,6 +78,16 @@ class BackendConfig(BaseModel):
     models: tuple[str, ...] = ()
     """Models (and LoRA adapters) this backend serves; empty: learned from its ``/v1/models``
     (until then it serves any model)."""
+    data_parallel_size: int = Field(default=1, ge=1, le=1024)
+    """Data-parallel ranks behind this one HTTP endpoint, each with its own KV cache (vLLM's
+    ``--data-parallel-size``). Above 1 the router places requests per (backend, rank), legs
+    carry ``X-data-parallel-rank``, rank ``r`` publishes KV events on the events (and replay)
+    endpoint's port + ``r`` and serves P2P on ``kv_address``'s port + ``r`` (vLLM's
+    conventions; :mod:`pdproxy.dp_ranks`)."""
+    kv_engine_id: str | None = Field(default=None, min_length=1, max_length=256)
+    """The node id this backend's P2P server proves in its handshake. A request sent to pull
+    from this backend (``remote_kv_source``) pins it, so the puller refuses any other node at
+    ``kv_address``; unset: not pinned."""
 
     @field_validator("models")
     @classmethod
@@ -114,6 +126,18 @@ class BackendConfig(BaseModel):
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"kv_address {value!r} must be host:port")
         return value
+
+    @model_validator(mode="after")
+    def _rank_ports_fit(self) -> BackendConfig:
+        last = self.data_parallel_size - 1
+        if self.kv_address is not None and last:
+            port = int(self.kv_address.rpartition(":")[2])
+            if port + last > 65535:
+                raise ValueError("kv_address port + data_parallel_size - 1 exceeds 65535")
+        if last:
+            for endpoint in (self.events_endpoint, self.events_replay_endpoint):
+                offset_endpoint(endpoint, last)  # ValueError: no port to offset by a rank
+        return self
 
     @property
     def kv_host_port(self) -> tuple[str, int] | None:
@@ -315,6 +339,15 @@ class ProxySettings(BaseSettings):
     tracing: OtelSettings = Field(default_factory=OtelSettings)
     """OpenTelemetry tracing, from the standard ``OTEL_*`` variables (:mod:`pdproxy.tracing`);
     off unless an exporter or an OTLP endpoint is set."""
+    data_parallel_routing: Literal["auto", "on", "off"] = "auto"
+    """Route to each data-parallel rank of a backend with ``data_parallel_size`` > 1 (its own
+    residency and load, ``X-data-parallel-rank`` on the legs; :mod:`pdproxy.dp_ranks`).
+    ``auto``: on when a configured backend has several ranks (else the router is exactly the
+    one without ranks); ``on``: also for backends with several ranks added at run time;
+    ``off``: ranks are left to the engine's own balancer (rank-blind, one node per backend)."""
+
+    failover: FailoverSettings = Field(default_factory=FailoverSettings)
+    """Mid-stream failover of streamed answers (:mod:`pdproxy.failover`)."""
 
     _tracing_over_env = field_validator("tracing", mode="before")(otel_settings)
 

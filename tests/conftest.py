@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from pdproxy.stack.ports import free_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port"]
 
 
 @dataclass
@@ -131,3 +131,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+# A test stuck in C (a libzmq lock, a blocking syscall retried on EINTR) never sees
+# pytest-timeout's SIGALRM, and CI then stalls until its own wall-clock limit with no clue.
+# faulthandler's watchdog is a C thread: past the test's timeout plus this grace it prints every
+# thread's stack to the real stderr and ends the run.
+HANG_GRACE_S = 120.0
+_REAL_STDERR = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Output capture is suspended while plugins configure, so fd 2 is the real stderr here.
+    config.stash[_REAL_STDERR] = os.dup(2)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    fd = config.stash.get(_REAL_STDERR, None)
+    if fd is not None:
+        os.close(fd)
+        del config.stash[_REAL_STDERR]
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(item.config.getini("timeout") or 0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    limit = _timeout_of(item)
+    if limit > 0:
+        faulthandler.dump_traceback_later(
+            limit + HANG_GRACE_S, exit=True, file=item.config.stash[_REAL_STDERR]
+        )
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()

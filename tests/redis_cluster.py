@@ -13,18 +13,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from pdproxy.stack.ports import free_ports
 
 
 def _wait_ping(port: int, proc: subprocess.Popen[bytes], deadline: float) -> None:
@@ -55,7 +44,7 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if exe is None or cli is None:
         raise RuntimeError("redis-server/redis-cli are not installed; scripts/dev installs them")
-    every = _free_ports(2 * masters)  # a client port and a cluster bus port per node
+    every = free_ports(2 * masters)  # a client port and a cluster bus port per node
     ports, buses = every[:masters], every[masters:]
     procs: list[subprocess.Popen[bytes]] = []
     try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import stat
 import sys
@@ -36,6 +35,7 @@ from zmq.utils import z85
 
 from kvtier.errors import EventSecurityError
 from kvtier.private_file import write_private_text
+from kvtier.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +127,12 @@ class ClientGate:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        try:
+            await cancel_and_wait(task)
+        finally:
+            self._close_socket()
+
+    def _close_socket(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

@@ -18,7 +18,6 @@ CURVE. A replay request can ask for at most the whole buffer; malformed ones are
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 
@@ -28,6 +27,7 @@ import zmq.asyncio
 from kvtier.events.codec import EventEncoding, encode_batch
 from kvtier.events.curve import ClientGate, CurveServer, make_server
 from kvtier.events.types import EventBatch
+from kvtier.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +194,12 @@ class EventPublisher:
         """Stop serving replays and close the sockets (idempotent)."""
         self._closed = True
         task, self._replay_task = self._replay_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        try:
+            await cancel_and_wait(task)
+        finally:
+            await self._close_sockets()
+
+    async def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 OnBatch = Callable[[EventBatch], Awaitable[None]]
 OnReset = Callable[[], Awaitable[None]]
+OnGap = Callable[[int | None], None]
 
 
 @dataclass(slots=True)
@@ -88,8 +89,13 @@ class EventSubscriber:
         name: str = "",
         context: zmq.asyncio.Context | None = None,
         curve: CurveClient | None = None,
+        on_gap: OnGap | None = None,
     ) -> None:
-        """``curve``: the keys for a CURVE publisher (both sockets, live and replay)."""
+        """``curve``: the keys for a CURVE publisher (both sockets, live and replay).
+        ``on_gap(seq)``: called (synchronously, must not raise) when batches before live
+        sequence ``seq`` are found missing and are about to be replayed, and with ``None``
+        when the connection to the publisher drops; ``on_reset`` follows if they are lost."""
+        self._on_gap = on_gap
         self.endpoint = endpoint
         self._curve = curve
         self.replay_endpoint = replay_endpoint
@@ -157,24 +163,37 @@ class EventSubscriber:
     async def close(self) -> None:
         """Stop receiving and release the sockets (idempotent)."""
         self._closed = True
-        for task in (self._task, self._monitor_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._task = self._monitor_task = None
         if self._sub is not None:
+            # Monitoring stops while its reader is still open: libzmq's I/O thread sends each
+            # event to a PAIR socket, and a PAIR whose peer is gone blocks that send forever
+            # (holding the monitor lock that disable_monitor and ctx.term then wait on).
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.disable_monitor()
-            self._sub.close(linger=0)
-            self._sub = None
+        tasks = [t for t in (self._task, self._monitor_task) if t is not None]
+        self._task = self._monitor_task = None
+        for task in tasks:
+            task.cancel()
+        # wait(), never ``await task`` under suppress(CancelledError): that swallowed a cancel
+        # of the caller itself (a feed loop stopped while it unsubscribed ran on, and whoever
+        # stopped it waited forever). The close still completes first: a replay socket left
+        # open by an unfinished task would block ctx.term() in C.
+        caller_cancelled: asyncio.CancelledError | None = None
+        while tasks and not all(task.done() for task in tasks):
+            try:
+                await asyncio.wait(tasks)
+            except asyncio.CancelledError as exc:
+                caller_cancelled = exc
         if self._monitor is not None:
-            # Its task closes it too, but a task cancelled before it ever ran does not.
             self._monitor.close(linger=0)
             self._monitor = None
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
         if self._ctx is not None and self._given_ctx is None:
             self._ctx.term()
         self._ctx = None
+        if caller_cancelled is not None:
+            raise caller_cancelled
 
     async def __aenter__(self) -> EventSubscriber:
         await self.start()
@@ -208,6 +227,7 @@ class EventSubscriber:
                 self._expected = 0
             if seq > self._expected:
                 self.stats.gaps += 1
+                self._gap(seq)
                 logger.info("KV events from %s: gap %d..%d", self._name, self._expected, seq - 1)
                 if self.replay_endpoint is not None:
                     await self._replay_from_expected()
@@ -244,13 +264,22 @@ class EventSubscriber:
         self.stats.delivered += 1
 
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        # Never closes the monitor socket itself (close() does, after disable_monitor): see
+        # close() for the hang an early close causes.
+        while True:
+            frames = await monitor.recv_multipart()
+            if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+                self._publisher_lost = True
+                self._gap(None)
+
+    def _gap(self, seq: int | None) -> None:
+        if self._on_gap is None:
+            return
         try:
-            while True:
-                frames = await monitor.recv_multipart()
-                if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
-                    self._publisher_lost = True
-        finally:
-            monitor.close(linger=0)
+            self._on_gap(seq)
+        except Exception:
+            self.stats.handler_errors += 1
+            logger.exception("KV events from %s: gap handler failed", self._name)
 
     async def _resync_after_disconnect(self, seq: int) -> None:
         """The connection dropped: the publisher may be a new process whose sequence started
@@ -296,7 +325,10 @@ class EventSubscriber:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError
-                frames = await asyncio.wait_for(sock.recv_multipart(), remaining)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that
+                # lands as a frame arrives, and close() would wait for the replay loop forever.
+                async with asyncio.timeout(remaining):
+                    frames = await sock.recv_multipart()
                 if len(frames) == 4:  # vLLM's reply carries the topic: (b"", topic, seq, payload)
                     frames = [frames[0], frames[2], frames[3]]
                 if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:

@@ -3,9 +3,10 @@
 DESIGN §5. A prefill worker (producer) serves the pages of each producer leg, registered under
 the leg's ``kv_request_id`` K; a decode worker (consumer) fetches the keys it lacks straight into
 its host pages. Transport: TCP + length-prefixed msgpack control frames, raw payloads
-(:mod:`kvtier.p2p.frames`), a handshake with version, node ids, layout fingerprint and a mutual
-proof of the shared secret that derives per-session keys (:mod:`kvtier.p2p.handshake`,
-:mod:`kvtier.p2p.sealing`); every later frame and payload carries a MAC under those keys.
+(:mod:`kvtier.p2p.frames`; one ``blocks`` header per batch of pages), a handshake with version,
+node ids, layout fingerprint and a mutual proof of the shared secret that derives per-session
+keys (:mod:`kvtier.p2p.handshake`, :mod:`kvtier.p2p.sealing`); every later frame carries a MAC
+under those keys, every page payload a tag under the producer's page key (below).
 
 Threat model (who may connect, what they can make it do)
 --------------------------------------------------------
@@ -38,9 +39,10 @@ cannot use: every frame after ``welcome`` carries a GMAC under a key it does not
 per-direction sequence number, so it cannot forge, alter, replay, reorder, drop or reflect
 anything without the consumer (or producer) noticing and closing the session. Every block
 payload carries a GMAC tag under the producer's page key (random per producer, computed once
-per page write, cached with the page), and the tag travels in the block's session-MACed
-header; the page key reaches the consumer only encrypted under a key derived from the session
-(``welcome``), so the relay can neither read it nor substitute its own.
+per page write, cached with the page), and the tag travels in the session-MACed ``blocks``
+header that announces the page (with up to 63 others); the page key reaches the consumer only
+encrypted under a key derived from the session (``welcome``), so the relay can neither read it
+nor substitute its own.
 The consumer verifies each payload before the page becomes readable (I6); a failure ends the
 usable prefix there and the rest is recomputed. Given the producer's node id (its answer's
 ``remote_engine_id``, passed on by the proxy), a consumer refuses any other node, so a wrong
@@ -55,19 +57,24 @@ trust domain. The secret is not rotated by the protocol; rotate it by restarting
 
 *Trusted fabrics.* There is no integrity opt-out: the producer tags a page once per write (not
 per fetch) and the consumer verifies it once, one AES-GCM pass over the page on a worker thread
-that overlaps the next receive (``loadtest/bench_p2p`` prints its share of the raw socket's
-transfer time). A private fabric still gains from detecting corruption. On a private network
-with one tenant the secret still keeps strangers' processes (e.g. a compromised neighbour
-container) away from prompt-derived pages.
+(with the GIL released on recent ``cryptography`` releases, so it overlaps the kernel's copy
+and the loop's Python); ``loadtest/bench_p2p`` prints its share of the raw socket's transfer
+time. A private fabric
+still gains from detecting corruption. On a private network with one tenant the secret still
+keeps strangers' processes (e.g. a compromised neighbour container) away from prompt-derived
+pages.
 
 Modules: ``frames`` (wire format), ``layout`` (fingerprint), ``sealing`` (key schedule, MACs,
 page keys and tags), ``handshake``, ``admission`` (pre-auth limits, server counters),
 ``channel`` (zero-copy framed socket I/O, sealed after the handshake), ``supply`` (producer
-registry: references, tags, waits, leases), ``server`` (producer endpoint), ``sessions`` +
-``client`` (consumer), ``installs`` (consumer: verify off the loop, install in order), ``sink``
+registry: references, tags, waits, leases), ``server`` (producer endpoint) + ``serving`` (one
+authenticated session's fetches and offers), ``sessions`` + ``client`` (consumer), ``receive``
+(consumer: one fetch's blocks into the sink's pages), ``installs`` (consumer: verify off the
+loop, commit each verified batch in order), ``sink``
 (where a consumer installs pages), ``pool_pages`` (adapters to
 ``kvtier.offload.HostPagePool``), ``page_tags`` (tags cached per pool page write), ``tier``
-(the ``SecondaryTier``), ``settings``.
+(the ``SecondaryTier``), ``offer`` (symmetric pull: holder and puller sides, and the
+threat model of offers), ``settings``.
 
 Producer side (inside the worker's asyncio loop)::
 
@@ -99,6 +106,16 @@ Consumer side::
     # transport failures, always returns by ``deadline`` (a time.monotonic() value).
     await client.release(remote_host, remote_port, K)   # e.g. the client went away
     await client.close()
+
+Symmetric pull (vLLM's ``remote_kv_source``, :mod:`kvtier.p2p.offer`): any node can be a
+HOLDER that answers offers from its pages, with no producer leg::
+
+    server = P2PServer(settings, identity, registry, holdings=PoolHoldings(tier))
+    ...
+    result = await client.pull(holder_host, holder_port, keys, deadline=deadline,
+                               expected_node_id=holder_node_id)
+    # offer (the holder pins the leading run it holds under a fresh K2, short lease) +
+    # fetch of that run under K2 + done; result reads like fetch's.
 """
 
 from kvtier.p2p.admission import ServerStats
@@ -106,6 +123,7 @@ from kvtier.p2p.client import FetchResult, P2PClient
 from kvtier.p2p.frames import PROTOCOL_VERSION, KvRequestId, PeerNodeId
 from kvtier.p2p.handshake import LocalIdentity
 from kvtier.p2p.layout import LayoutFingerprint
+from kvtier.p2p.offer import HeldPage, Holdings, OfferResult, PoolHoldings
 from kvtier.p2p.pool_pages import PoolSink, PoolSupplyPage
 from kvtier.p2p.server import P2PServer
 from kvtier.p2p.settings import P2PSettings
@@ -118,15 +136,19 @@ __all__ = [
     "PROTOCOL_VERSION",
     "BlockSink",
     "FetchResult",
+    "HeldPage",
+    "Holdings",
     "KvRequestId",
     "LayoutFingerprint",
     "LocalIdentity",
+    "OfferResult",
     "P2PClient",
     "P2PServer",
     "P2PSettings",
     "P2PTier",
     "PageReservation",
     "PeerNodeId",
+    "PoolHoldings",
     "PoolSink",
     "PoolSupplyPage",
     "ServerStats",

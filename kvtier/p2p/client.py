@@ -10,12 +10,14 @@ Use inside the worker's asyncio loop::
     await client.close()
 
 ``keys`` is the request's chunk keys in order. Leading keys the sink already holds are not
-fetched, nor any later key it holds; the rest is demanded in one ``fetch`` frame. Each block is
-received straight into the page the sink reserved (``loop.sock_recv_into``), its key checked
-against the session-MACed header and its payload against the header's page tag, and only then
-committed (I6): a page that fails is aborted, never readable. Payload verification runs on one
-worker thread per client, overlapping the next receive (:mod:`kvtier.p2p.installs`); the sink
-protocols are in :mod:`kvtier.p2p.sink`. ``expected_node_id`` (the producer's node id from its
+fetched, nor any later key it holds; the rest is demanded in one ``fetch`` frame. The producer
+answers with ``blocks`` frames (a batch of pages each); every payload is received straight into
+the page the sink reserved (``recvmsg_into`` across the batch's pages), its key checked against
+the session-MACed header and its payload against the header's page tag, and only then
+committed (I6): a page that fails is aborted, never readable (:mod:`kvtier.p2p.receive`).
+Payload verification runs on one worker thread per client, overlapping the next receive, and
+each verified batch is committed in one step (:mod:`kvtier.p2p.installs`); the sink protocols
+are in :mod:`kvtier.p2p.sink`. ``expected_node_id`` (the producer's node id from its
 answer) makes the handshake refuse any other node. A key the sink holds by the time its block
 comes (another fetch installed it meanwhile) has its payload skipped and counts as usable. A key
 that fails, is refused by the sink (no page can be freed), or misses ``deadline`` ends the
@@ -35,23 +37,22 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvtier.errors import HandshakeRefused, IntegrityError, P2PError, ProtocolError
+from kvtier.errors import HandshakeRefused, IntegrityError, P2PError
 from kvtier.keys import OffloadKey
-from kvtier.p2p.channel import FrameChannel, PeerClosed
+from kvtier.p2p.channel import PeerClosed
 from kvtier.p2p.frames import (
     MAX_ID_CHARS,
-    BlockHeader,
     Done,
-    Fail,
     Fetch,
     KvRequestId,
     Release,
     as_keys,
 )
 from kvtier.p2p.handshake import LocalIdentity
-from kvtier.p2p.installs import PendingInstalls
+from kvtier.p2p.offer import OfferResult, request_offer
+from kvtier.p2p.receive import BlockReceiver, FetchProgress
 from kvtier.p2p.sessions import Session, SessionPool
 from kvtier.p2p.settings import P2PSettings
 from kvtier.p2p.sink import ALREADY_HELD, AlreadyHeld, BlockSink, PageReservation
@@ -61,6 +62,7 @@ __all__ = [
     "AlreadyHeld",
     "BlockSink",
     "FetchResult",
+    "OfferResult",
     "P2PClient",
     "PageReservation",
 ]
@@ -84,6 +86,8 @@ class FetchResult:
     found_meanwhile: tuple[OffloadKey, ...] = ()
     """Demanded keys that were present locally by the time their block came (installed by
     another fetch or a local store): their payload was skipped, and they count as usable."""
+    holder_short: bool = False
+    """(A pull) short only because the holder held fewer keys than asked; all it pinned came."""
 
     @property
     def complete(self) -> bool:
@@ -97,21 +101,6 @@ class _Producer:
     host: str
     port: int
     node_id: str | None
-
-
-@dataclass(slots=True)
-class _Progress:
-    fetched: list[OffloadKey] = field(default_factory=list)
-    found_meanwhile: list[OffloadKey] = field(default_factory=list)
-    nbytes: int = 0
-    reason: str | None = None
-    session_clean: bool = True
-    frames: int = 0
-
-    @property
-    def untouched(self) -> bool:
-        """Nothing was received yet (a retry on a fresh session is safe)."""
-        return self.frames == 0
 
 
 class P2PClient:
@@ -147,7 +136,7 @@ class P2PClient:
             deadline = started + self.settings.fetch_timeout_s
         held = [self.sink.holds(k) for k in wanted]
         missing = tuple(dict.fromkeys(k for k, h in zip(wanted, held, strict=True) if not h))
-        progress = _Progress()
+        progress = FetchProgress()
         if expected_node_id is None and self.settings.require_producer_id:
             progress.reason = "the producer's node id is unknown; it is required"
         elif missing or finish:
@@ -210,6 +199,99 @@ class P2PClient:
                     session.channel.close()
         return sent
 
+    async def offer(
+        self,
+        remote_host: str,
+        remote_port: int,
+        keys: Sequence[OffloadKey],
+        *,
+        expected_node_id: str | None = None,
+        deadline: float | None = None,
+    ) -> OfferResult:
+        """Ask a holder to pin the leading run of ``keys`` it holds (:mod:`kvtier.p2p.offer`).
+
+        Never raises for transport failures: ``num_held`` 0 and a ``reason``. The pinned
+        supply is fetched under the answer's ``kv_request_id`` (then ``done``), or left to its
+        short lease.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.fetch_timeout_s
+        if expected_node_id is None and self.settings.require_producer_id:
+            return OfferResult(None, 0, "the holder's node id is unknown; it is required")
+        return await request_offer(
+            self._sessions,
+            (remote_host, remote_port),
+            as_keys(keys),
+            expected_node_id=expected_node_id,
+            deadline=deadline,
+            max_keys=self.settings.max_keys_per_offer,
+        )
+
+    async def pull(
+        self,
+        remote_host: str,
+        remote_port: int,
+        keys: Sequence[OffloadKey],
+        *,
+        expected_node_id: str | None = None,
+        deadline: float | None = None,
+    ) -> FetchResult:
+        """Symmetric pull: offer the keys of ``keys`` the sink lacks to a holder, fetch the run
+        it holds, then ``done`` — all within ``deadline``. The result reads like
+        :meth:`fetch`'s over ``keys`` (``kv_request_id`` is the holder's K2, or empty when it
+        held none of them). Never raises for transport failures.
+        """
+        started = time.monotonic()
+        if deadline is None:
+            deadline = started + self.settings.fetch_timeout_s
+        wanted = as_keys(keys)
+        held = [self.sink.holds(k) for k in wanted]
+        missing = tuple(dict.fromkeys(k for k, h in zip(wanted, held, strict=True) if not h))
+        cap = self.settings.max_keys_per_offer
+        offered = await self.offer(
+            remote_host,
+            remote_port,
+            missing[:cap],
+            expected_node_id=expected_node_id,
+            deadline=deadline,
+        )
+        fetched: FetchResult | None = None
+        if offered.kv_request_id is not None:
+            fetched = await self.fetch(
+                remote_host,
+                remote_port,
+                offered.kv_request_id,
+                missing[: offered.num_held],
+                deadline,
+                expected_node_id=expected_node_id,
+            )
+        got = set() if fetched is None else {*fetched.fetched, *fetched.found_meanwhile}
+        usable = 0
+        for key, was_held in zip(wanted, held, strict=True):
+            if not (was_held or key in got):
+                break
+            usable += 1
+        reason = None
+        fetch_reason = fetched.reason if fetched is not None else None
+        holder_short = False
+        if usable < len(wanted):
+            reason = fetch_reason or offered.reason
+            holder_short = fetch_reason is None and offered.holder_short
+            if reason is None and len(missing) > cap:
+                reason = f"offer capped at max_keys_per_offer ({cap}) keys"
+        return FetchResult(
+            offered.kv_request_id or KvRequestId(""),
+            wanted,
+            usable,
+            sum(held),
+            () if fetched is None else fetched.fetched,
+            0 if fetched is None else fetched.nbytes,
+            time.monotonic() - started,
+            reason,
+            () if fetched is None else fetched.found_meanwhile,
+            holder_short,
+        )
+
     @property
     def sessions_opened(self) -> int:
         """Connections opened so far (reuse keeps this low)."""
@@ -223,10 +305,10 @@ class P2PClient:
         if verifier is not None:
             verifier.shutdown(wait=False)  # a batch in flight finishes, then the thread ends
 
-    def _verification_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _receiver(self) -> BlockReceiver:
         if self._verifier is None:
             self._verifier = concurrent.futures.ThreadPoolExecutor(1, "p2p-verify")
-        return self._verifier
+        return BlockReceiver(self.identity.fingerprint, self.sink, self._verifier)
 
     # ---- one exchange -------------------------------------------------------------------------
 
@@ -238,7 +320,7 @@ class P2PClient:
         missing: tuple[OffloadKey, ...],
         deadline: float,
         finish: bool,
-        progress: _Progress,
+        progress: FetchProgress,
     ) -> None:
         host, port, expected_node_id = target.host, target.port, target.node_id
         session: Session | None = None
@@ -291,91 +373,16 @@ class P2PClient:
         rid: KvRequestId,
         missing: tuple[OffloadKey, ...],
         deadline: float,
-        progress: _Progress,
+        progress: FetchProgress,
     ) -> None:
         step = self.settings.max_keys_per_fetch
         for start in range(0, len(missing), step):
             batch = missing[start : start + step]
             deadline_ms = max(int((deadline - time.monotonic()) * 1000), 0)
             await session.channel.send_frame(Fetch(rid, batch, deadline_ms))
-            await self._receive(session.channel, rid, batch, progress)
+            await self._receiver().receive(session.channel, rid, batch, progress)
             if progress.reason is not None:
                 return
-
-    async def _receive(
-        self,
-        channel: FrameChannel,
-        rid: KvRequestId,
-        missing: tuple[OffloadKey, ...],
-        progress: _Progress,
-    ) -> None:
-        def installed(key: OffloadKey, nbytes: int) -> None:
-            progress.fetched.append(key)
-            progress.nbytes += nbytes
-
-        installs = PendingInstalls(self._verification_thread(), installed)
-        try:
-            await self._receive_blocks(channel, rid, missing, progress, installs)
-            await installs.finish()  # IntegrityError: the prefix ends at the page that failed
-        except (P2PError, OSError, TimeoutError) as exc:
-            installs.settle()  # installs what was received whole and verifies
-            if installs.failure is not None and installs.failure is not exc:
-                raise installs.failure from exc  # a forged page says more than what followed
-            raise
-        finally:
-            installs.settle()  # nothing left on success; on cancellation, as above
-
-    async def _receive_blocks(
-        self,
-        channel: FrameChannel,
-        rid: KvRequestId,
-        missing: tuple[OffloadKey, ...],
-        progress: _Progress,
-        installs: PendingInstalls,
-    ) -> None:
-        fingerprint = self.identity.fingerprint
-        i = 0
-        while i < len(missing):
-            frame = await channel.read_frame()
-            if frame is None:
-                raise PeerClosed("producer closed the connection during a fetch")
-            progress.frames += 1
-            if isinstance(frame, Fail):
-                named = missing[i : i + len(frame.keys)]
-                if frame.kv_request_id != rid or not frame.keys or frame.keys != named:
-                    raise ProtocolError("fail frame names keys out of order")
-                if progress.reason is None:
-                    progress.reason = f"producer: {frame.reason}"
-                i += len(frame.keys)
-                continue
-            if not isinstance(frame, BlockHeader):
-                raise ProtocolError(f"unexpected {type(frame).__name__} frame during a fetch")
-            key = missing[i]
-            if frame.key != key:
-                raise ProtocolError("block for a key out of order or not demanded")
-            if frame.nbytes != fingerprint.page_nbytes(key):
-                raise ProtocolError(f"block of {frame.nbytes} bytes; the layout says otherwise")
-            if progress.reason is not None:
-                await channel.discard_payload(frame.nbytes)  # past the end of the prefix
-                i += 1
-                continue
-            reservation = self.sink.reserve(key, frame.nbytes)
-            if reservation is ALREADY_HELD:
-                await channel.discard_payload(frame.nbytes)  # its bytes are already local
-                progress.found_meanwhile.append(key)
-                i += 1
-                continue
-            if reservation is None:
-                progress.reason = "no free host page for a fetched block"
-                progress.session_clean = False  # stop reading: closing is cheaper than draining
-                return
-            try:
-                payload = await channel.receive_payload_into(reservation.buffer)
-            except BaseException:
-                reservation.abort()
-                raise
-            installs.add(key, reservation, payload)  # IntegrityError: an earlier page
-            i += 1
 
 
 def _checked_id(kv_request_id: str) -> KvRequestId:

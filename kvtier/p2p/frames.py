@@ -4,10 +4,13 @@ Every control frame is ``length (uint32 big-endian) ‖ msgpack map`` with a ``t
 handshake frames (``hello``, ``auth``, ``welcome``, ``refuse``) travel before authentication
 and are capped at :data:`HANDSHAKE_MAX_FRAME_BYTES`. Every later frame is *sealed*: the length
 counts the msgpack body plus a 16-byte MAC under the session key (:mod:`kvtier.p2p.sealing`)
-that follows the body. A ``block`` frame is followed on the wire by exactly ``nbytes`` of raw
-page payload (not part of the frame), authenticated by the frame's ``mac`` and ``nonce``
-fields: the page's tag under the producer's page key, computed once per page write and sent in
-this session-MACed header (:mod:`kvtier.p2p.sealing`). Types:
+that follows the body. A ``blocks`` frame announces up to :data:`MAX_BLOCKS_PER_FRAME` pages,
+each as ``[key, nbytes, mac, nonce]``, and is followed on the wire by their raw payloads, back
+to back in that order (not part of the frame). Each payload is authenticated by its entry's
+``mac`` and ``nonce``: the page's tag under the producer's page key, computed once per page
+write and sent in this session-MACed header (:mod:`kvtier.p2p.sealing`). One header per batch
+of pages, not per page: the producer writes header and payloads with one ``sendmsg`` and the
+consumer reads them with ``recvmsg_into`` straight into the reserved pages. Types:
 
 =============  ==========================  ====================================================
 type           direction                   fields
@@ -20,10 +23,13 @@ type           direction                   fields
                                            under the session's wrap key)
 ``refuse``     either → other, then close  ``reason``
 ``fetch``      consumer → producer         ``kv_request_id, keys, deadline_ms``
-``block``      producer → consumer         ``key, nbytes, mac, nonce`` (the payload's tag)
+``blocks``     producer → consumer         ``blocks``: 1..64 entries ``[key, nbytes, mac, nonce]``
 ``fail``       producer → consumer         ``kv_request_id, keys, reason``
 ``done``       consumer → producer         ``kv_request_id``
 ``release``    anyone → producer           ``kv_request_id``
+``offer``      puller → holder             ``keys`` (symmetric pull, :mod:`kvtier.p2p.offer`)
+``offered``    holder → puller             ``kv_request_id`` (None when nothing is held),
+                                           ``num_held``
 =============  ==========================  ====================================================
 
 :func:`decode_frame` validates every field's type and bound and raises
@@ -44,8 +50,9 @@ from kvtier.errors import ProtocolError
 from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey
 from kvtier.p2p.layout import LayoutFingerprint
 
-PROTOCOL_VERSION = 3
-"""v3: payload tags under a per-producer page key, computed once per page (v2: per send)."""
+PROTOCOL_VERSION = 4
+"""v4: one ``blocks`` header per batch of pages (v3: a ``block`` header per page; v3 added
+payload tags under a per-producer page key, computed once per page)."""
 LENGTH_PREFIX = struct.Struct(">I")
 NONCE_BYTES = 32
 PROOF_BYTES = 32
@@ -58,6 +65,8 @@ HANDSHAKE_MAX_FRAME_BYTES = 4096
 MAX_ID_CHARS = 128
 MAX_REASON_CHARS = 1024
 MAX_PAYLOAD_BYTES = 1 << 31
+MAX_BLOCKS_PER_FRAME = 64
+"""Pages one ``blocks`` frame may announce (its header stays a few KiB)."""
 
 KvRequestId = NewType("KvRequestId", str)
 """The id the proxy gives a producer/consumer pair (128-bit random, hex); names the supply."""
@@ -105,12 +114,25 @@ class Fetch:
 
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
+    """One page of a :class:`BlockBatch`: its key, payload size and tag."""
+
     key: OffloadKey
     nbytes: int
     mac: bytes
     """The payload's MAC under the producer's page key (``PageTag.mac``)."""
     nonce: int = 0
     """The page key nonce of that MAC (``PageTag.nonce``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockBatch:
+    """A ``blocks`` frame: the payloads of ``blocks`` follow it on the wire, in order."""
+
+    blocks: tuple[BlockHeader, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for block in self.blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +152,24 @@ class Release:
     kv_request_id: KvRequestId
 
 
-Frame = Hello | Auth | Welcome | Refuse | Fetch | BlockHeader | Fail | Done | Release
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """Which leading run of ``keys`` does the holder hold? (:mod:`kvtier.p2p.offer`)"""
+
+    keys: tuple[OffloadKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """The holder pinned ``keys[:num_held]`` of the offer as a supply under ``kv_request_id``."""
+
+    kv_request_id: KvRequestId | None
+    num_held: int
+
+
+Frame = (
+    Hello | Auth | Welcome | Refuse | Fetch | BlockBatch | Fail | Done | Release | Offer | Offered
+)
 HandshakeFrame = Hello | Auth | Welcome | Refuse
 HANDSHAKE_FRAMES = (Hello, Auth, Welcome, Refuse)
 
@@ -174,13 +213,10 @@ def encode_body(frame: Frame) -> bytes:
                 "keys": list(frame.keys),
                 "deadline_ms": frame.deadline_ms,
             }
-        case BlockHeader():
+        case BlockBatch():
             body = {
-                "type": "block",
-                "key": frame.key,
-                "nbytes": frame.nbytes,
-                "mac": frame.mac,
-                "nonce": frame.nonce,
+                "type": "blocks",
+                "blocks": [[b.key, b.nbytes, b.mac, b.nonce] for b in frame.blocks],
             }
         case Fail():
             body = {
@@ -193,6 +229,14 @@ def encode_body(frame: Frame) -> bytes:
             body = {"type": "done", "kv_request_id": frame.kv_request_id}
         case Release():
             body = {"type": "release", "kv_request_id": frame.kv_request_id}
+        case Offer():
+            body = {"type": "offer", "keys": list(frame.keys)}
+        case Offered():
+            body = {
+                "type": "offered",
+                "kv_request_id": frame.kv_request_id,
+                "num_held": frame.num_held,
+            }
     packed: bytes = msgpack.packb(body, use_bin_type=True)
     return packed
 
@@ -214,13 +258,8 @@ def decode_frame(body: bytes | bytearray | memoryview) -> Frame:
     if not isinstance(raw, dict):
         raise ProtocolError("frame body is not a map")
     kind = raw.get("type")
-    if kind == "block":
-        return BlockHeader(
-            _key(raw.get("key")),
-            _int(raw, "nbytes", 1, MAX_PAYLOAD_BYTES),
-            _bytes(raw, "mac", PAYLOAD_MAC_BYTES),
-            _int(raw, "nonce", 0, MAX_PAGE_NONCE),
-        )
+    if kind == "blocks":
+        return BlockBatch(_blocks(raw.get("blocks")))
     if kind == "fetch":
         return Fetch(_rid(raw), _keys(raw.get("keys")), _int(raw, "deadline_ms", 0, 3_600_000))
     if kind == "fail":
@@ -229,6 +268,14 @@ def decode_frame(body: bytes | bytearray | memoryview) -> Frame:
         return Done(_rid(raw))
     if kind == "release":
         return Release(_rid(raw))
+    if kind == "offer":
+        return Offer(_keys(raw.get("keys")))
+    if kind == "offered":
+        num_held = _int(raw, "num_held", 0, MAX_PAYLOAD_BYTES)
+        rid = _rid(raw) if raw.get("kv_request_id") is not None else None
+        if (rid is None) != (num_held == 0):
+            raise ProtocolError("offered: a kv_request_id exactly when num_held > 0")
+        return Offered(rid, num_held)
     if kind == "hello":
         return Hello(
             _int(raw, "version", 0, 1 << 16),
@@ -280,6 +327,24 @@ def _bytes(raw: dict[str, object], name: str, size: int) -> bytes:
     if not isinstance(value, bytes) or len(value) != size:
         raise ProtocolError(f"field {name} must be {size} bytes")
     return value
+
+
+def _blocks(value: object) -> tuple[BlockHeader, ...]:
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_BLOCKS_PER_FRAME:
+        raise ProtocolError(f"blocks must be a list of 1..{MAX_BLOCKS_PER_FRAME} entries")
+    return tuple(_block(entry) for entry in value)
+
+
+def _block(entry: object) -> BlockHeader:
+    if not isinstance(entry, list) or len(entry) != 4:
+        raise ProtocolError("a block entry must be [key, nbytes, mac, nonce]")
+    fields = {"nbytes": entry[1], "mac": entry[2], "nonce": entry[3]}
+    return BlockHeader(
+        _key(entry[0]),
+        _int(fields, "nbytes", 1, MAX_PAYLOAD_BYTES),
+        _bytes(fields, "mac", PAYLOAD_MAC_BYTES),
+        _int(fields, "nonce", 0, MAX_PAGE_NONCE),
+    )
 
 
 def _rid(raw: dict[str, object]) -> KvRequestId:

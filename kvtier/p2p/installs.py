@@ -1,13 +1,16 @@
 """Consumer side: fetched pages verified off the event loop, then installed in arrival order.
 
-A payload lands in the page its sink reserved (``FrameChannel.receive_payload_into``); its tag
-is checked on one worker thread while the event loop receives the next payloads. A socket
-receive releases the GIL, so the kernel's copy of the next page overlaps the MAC of the last
-one (the MAC holds the GIL: it overlaps the copy, not Python). Verification runs in batches:
-one batch at a time, each taking every page received since the previous batch started, so
-the hand-off costs one thread round trip per batch, not per page. A batch is installed on the
-loop as soon as its verification ends (not when the next page comes), so pages of a producer
-that is still computing become readable as they arrive.
+A payload lands in the page its sink reserved (``FrameChannel.receive_blocks_into``, which
+reports the pages each receive completed together); its tag is checked on one worker thread
+while the event loop receives the next payloads. A socket receive releases the GIL, and so
+does the MAC on recent ``cryptography`` releases (50 runs AEAD work on 2 KiB or more with the
+GIL released; older ones hold it, and the MAC then overlaps only the kernel's copy, not the
+loop's Python). Verification runs in batches: one batch at a time, each taking every page
+received since the previous batch started, so the hand-off costs one thread round trip per
+batch, not per page. A batch is committed on the loop as soon as its verification ends (not
+when the next page comes), in one :meth:`~kvtier.p2p.sink.BlockSink.commit` for its pages
+that verified, so pages of a producer that is still computing become readable as they arrive
+and the pool's listeners run once per batch.
 
 Invariant (I6): a reservation is committed (the page becomes readable) only after its payload
 verified, in the order the pages arrived; a page that fails is aborted together with every page
@@ -22,19 +25,21 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import IntegrityError
 from kvtier.keys import OffloadKey
 from kvtier.p2p.channel import UnverifiedPayload
-from kvtier.p2p.sink import PageReservation
+from kvtier.p2p.sink import BlockSink, PageReservation
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class _Received:
+class Received:
+    """A page whose payload is whole in its reservation, not yet verified."""
+
     key: OffloadKey
     reservation: PageReservation
     payload: UnverifiedPayload
@@ -47,7 +52,7 @@ class _Verdict:
     reason: str = ""
 
 
-def _verify_batch(batch: list[_Received]) -> _Verdict:
+def _verify_batch(batch: list[Received]) -> _Verdict:
     """Runs on the worker thread; stops at the first failure (later pages are aborted)."""
     for i, received in enumerate(batch):
         try:
@@ -66,14 +71,17 @@ class PendingInstalls:
     def __init__(
         self,
         executor: concurrent.futures.Executor,
-        on_installed: Callable[[OffloadKey, int], None],
+        sink: BlockSink,
+        on_installed: Callable[[list[OffloadKey], int], None],
     ) -> None:
-        """``on_installed(key, nbytes)``: called on the loop, in order, after each commit."""
+        """``on_installed(keys, nbytes)``: called on the loop, in order, after each commit
+        (``nbytes``: the committed payloads' total)."""
         self._executor = executor
+        self._sink = sink
         self._on_installed = on_installed
         self._loop = asyncio.get_running_loop()
-        self._queued: list[_Received] = []
-        self._batch: list[_Received] = []
+        self._queued: list[Received] = []
+        self._batch: list[Received] = []
         self._running: concurrent.futures.Future[_Verdict] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -84,19 +92,16 @@ class PendingInstalls:
         """Why a received page was refused (the first one), if one was."""
         return self._failure
 
-    def add(
-        self, key: OffloadKey, reservation: PageReservation, payload: UnverifiedPayload
-    ) -> None:
-        """Queue a received page (the caller's reservation is ours from here on).
+    def add(self, pages: Sequence[Received]) -> None:
+        """Queue received pages, in arrival order (their reservations are ours from here on).
 
-        Raises the IntegrityError of an earlier page that failed (this page is aborted then).
+        Raises the IntegrityError of an earlier page that failed (these are aborted then).
         """
-        received = _Received(key, reservation, payload)
         if self._failure is not None:
-            _abort([received])
+            _abort(pages)
             raise self._failure
-        self._queued.append(received)
-        if self._running is None:
+        self._queued.extend(pages)
+        if self._running is None and self._queued:
             self._start()
 
     async def finish(self) -> None:
@@ -155,21 +160,25 @@ class PendingInstalls:
         else:
             self._idle.set()
 
-    def _install(self, batch: list[_Received], verdict: _Verdict | None) -> None:
+    def _install(self, batch: list[Received], verdict: _Verdict | None) -> None:
         """Commit ``batch`` up to its first failure, abort the rest (all of it for None)."""
         good = (
             0 if verdict is None else len(batch) if verdict.failed_at is None else verdict.failed_at
         )
-        for received in batch[:good]:
-            received.reservation.commit()
-            self._on_installed(received.key, len(received.payload.dest))
+        if good > 0:
+            verified = batch[:good]
+            self._sink.commit([received.reservation for received in verified])
+            self._on_installed(
+                [received.key for received in verified],
+                sum(len(received.payload.dest) for received in verified),
+            )
         _abort(batch[good:])
         if verdict is not None and verdict.failed_at is not None and self._failure is None:
             self._failure = IntegrityError(verdict.reason)
             logger.debug("p2p fetch: %s", verdict.reason)
 
 
-def _verdict_of(running: concurrent.futures.Future[_Verdict], batch: list[_Received]) -> _Verdict:
+def _verdict_of(running: concurrent.futures.Future[_Verdict], batch: list[Received]) -> _Verdict:
     """The batch's verdict; verified here when its job never ran (it was cancelled)."""
     try:
         return running.result()
@@ -177,6 +186,6 @@ def _verdict_of(running: concurrent.futures.Future[_Verdict], batch: list[_Recei
         return _verify_batch(batch)
 
 
-def _abort(batch: list[_Received]) -> None:
+def _abort(batch: Sequence[Received]) -> None:
     for received in batch:
         received.reservation.abort()

@@ -4,7 +4,8 @@
   :class:`~kvtier.p2p.supply.SupplyPage` (the payload is the first ``nbytes`` of the page).
 - :class:`PoolSink`: a consumer's pool as a :class:`~kvtier.p2p.sink.BlockSink`: a fetched
   block is written into a page allocated for its key (``allocate`` → ``write_view`` →
-  ``complete_write``), so the tiering manager sees it as a normal write (listeners, events).
+  ``complete_writes``, one call per verified batch), so the tiering manager sees it as a
+  normal write (listeners, events).
   A key present by the time its block comes (installed meanwhile by a concurrent fetch or a
   local store, readable or still being written by that writer) is answered
   :data:`~kvtier.p2p.sink.ALREADY_HELD`: the client skips the payload and the key stays
@@ -16,12 +17,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from kvtier.errors import OffloadError, PoolExhausted
 from kvtier.keys import OffloadKey
 from kvtier.offload.pool import HostPagePool, PageRef
 from kvtier.offload.types import LookupResult, RequestId
-from kvtier.p2p.sink import ALREADY_HELD, AlreadyHeld
+from kvtier.p2p.sink import ALREADY_HELD, AlreadyHeld, PageReservation
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +55,21 @@ class _PoolReservation:
         self._done = False
         self.buffer = pool.write_view(key)[:nbytes]
 
-    def commit(self) -> None:
-        if not self._done:
-            self._done = True
-            self._pool.complete_write(self._key, True)
+    @property
+    def pool(self) -> HostPagePool:
+        return self._pool
+
+    @property
+    def key(self) -> OffloadKey:
+        return self._key
+
+    def settle(self) -> bool:
+        """Mark the write ended; True when it was still open (the caller ends it in the pool)."""
+        open_, self._done = not self._done, True
+        return open_
 
     def abort(self) -> None:
-        if not self._done:
-            self._done = True
+        if self.settle():
             self._pool.complete_write(self._key, False)
 
 
@@ -92,3 +101,14 @@ class PoolSink:
         except OffloadError:  # written meanwhile from another thread (a local store)
             return ALREADY_HELD
         return _PoolReservation(self.pool, key, nbytes)
+
+    def commit(self, reservations: Sequence[PageReservation]) -> None:
+        """One ``complete_writes`` for the batch: the pool's listeners (the tiering manager's
+        cascade) and its stored event run once per verified batch, not once per page."""
+        keys = []
+        for reservation in reservations:
+            if not isinstance(reservation, _PoolReservation) or reservation.pool is not self.pool:
+                raise TypeError("a reservation this sink did not make")
+            if reservation.settle():
+                keys.append(reservation.key)
+        self.pool.complete_writes(keys, True)

@@ -19,12 +19,13 @@ consumes the next sequence number of its direction, and the number is never sent
 dropped, reordered or reflected frame (the two directions have different keys) fails
 verification. A sequence number is never reused under a key, as GCM requires.
 
-Page payloads are authenticated once per page, not once per send (protocol v3). A producer holds
-one random *page key* (:class:`PageSealer`, one per :class:`~kvtier.p2p.supply.SupplyRegistry`)
-and tags each page with GMAC under it the first time the page is supplied after its write
-completed (:class:`PageTag`: a 64-bit counter nonce, never reused under the key, and the
-16-byte MAC); the tag is cached with the page and sent in the page's ``block`` header, which is
-itself a control frame MACed under the session key. The page key reaches the consumer in the
+Page payloads are authenticated once per page, not once per send (since protocol v3). A
+producer holds one random *page key* (:class:`PageSealer`, one per
+:class:`~kvtier.p2p.supply.SupplyRegistry`) and tags each page with GMAC under it the first
+time the page is supplied after its write completed (:class:`PageTag`: a 64-bit counter nonce,
+never reused under the key, and the 16-byte MAC); the tag is cached with the page and sent in
+the ``blocks`` header that announces the page, itself a control frame MACed under the session
+key. The page key reaches the consumer in the
 ``welcome`` frame, encrypted with AES-256-GCM under a fifth session output (the *wrap key*), so
 only the two ends of an authenticated session learn it: a relay or an on-path attacker without
 the secret can neither read it nor swap it. The consumer verifies every payload it installs
@@ -164,7 +165,7 @@ class Sealer:
         self._seq = 0
 
     def reserve(self) -> int:
-        """The next sequence number (a block reserves two: its header and its payload)."""
+        """The next sequence number (one per control frame)."""
         seq = self._seq
         if seq >= _MAX_SEQ:
             raise IntegrityError("session sequence numbers exhausted")

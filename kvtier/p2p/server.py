@@ -16,59 +16,60 @@ limit, pending-handshake caps, frames of a few KiB, ``handshake_timeout_s``); re
 counted (:meth:`P2PServer.stats`), not logged one by one. ``max_connections`` bounds the
 authenticated sessions.
 
-Each session: a reader that accepts ``fetch``/``done``/``release`` and a sender that serves
-fetches in order, one block at a time, each as soon as it is readable. A key that cannot be
-served ends the fetch with one ``fail`` frame naming it and every later key (the consumer's
-usable prefix ends there anyway). Every frame after the handshake, both ways, and every block
-payload carries a MAC: frames under the session key, payloads under the registry's page key
-with the tag computed once when the page was supplied (:mod:`kvtier.p2p.sealing`). Malformed or
-unauthenticated input closes that session only, with a logged reason; kv_request_ids fetched on
-a connection that goes away without ``done`` are released. Every wait is bounded: handshake,
-idle session, demand per key (``demand_wait_s`` while the producer runs; none once it
-finished), and one fetch as a whole (``max_fetch_s``, which also cuts off a consumer that stops
-reading).
+Each authenticated session is served by :class:`~kvtier.p2p.serving.SessionServer`: a reader
+that accepts ``fetch``/``done``/``release``/``offer`` and a sender that serves fetches in order,
+several readable pages per ``blocks`` frame; a key that cannot be served ends the fetch with one
+``fail`` frame naming it and every later key. Every frame after the handshake, both ways, and
+every block payload carries a MAC: frames under the session key, payloads under the
+registry's page key with the tag computed once when the page was supplied
+(:mod:`kvtier.p2p.sealing`). Malformed or unauthenticated input closes that session only, with
+a logged reason; kv_request_ids fetched on a connection that goes away without ``done`` are
+released. Every wait is bounded: handshake, idle session, demand per key (``demand_wait_s``
+while the producer runs; none once it finished), and one fetch as a whole (``max_fetch_s``,
+which also cuts off a consumer that stops reading).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 
 from kvtier.errors import HandshakeRefused, IntegrityError, ProtocolError
-from kvtier.keys import OffloadKey
 from kvtier.p2p.admission import HandshakeAdmission, ServerCounters, ServerStats
 from kvtier.p2p.channel import FrameChannel, PeerClosed, tune_socket
 from kvtier.p2p.frames import (
-    MAX_REASON_CHARS,
-    Done,
-    Fail,
-    Fetch,
-    Frame,
     KvRequestId,
     PeerNodeId,
-    Release,
 )
 from kvtier.p2p.handshake import LocalIdentity, PeerInfo, server_handshake
+from kvtier.p2p.offer import Holdings, OfferDesk
+from kvtier.p2p.serving import SessionServer
 from kvtier.p2p.settings import P2PSettings
 from kvtier.p2p.supply import SupplyRegistry
+from kvtier.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
-
-_MAX_QUEUED_FETCHES = 16
-_SEND_GRACE_S = 1.0
 
 
 class P2PServer:
     """The producer's listening endpoint (one per worker)."""
 
     def __init__(
-        self, settings: P2PSettings, identity: LocalIdentity, registry: SupplyRegistry
+        self,
+        settings: P2PSettings,
+        identity: LocalIdentity,
+        registry: SupplyRegistry,
+        *,
+        holdings: Holdings | None = None,
     ) -> None:
         self.settings = settings
         self.identity = identity
         self.registry = registry
+        self.offers = OfferDesk(settings, registry, holdings) if holdings is not None else None
+        """Answers ``offer`` frames (symmetric pull, :mod:`kvtier.p2p.offer`) when the server
+        was given ``holdings``; without them an offer closes the session."""
+        self._serving = SessionServer(settings, identity.fingerprint, registry, self.offers)
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._accept_task: asyncio.Task[None] | None = None
@@ -130,14 +131,14 @@ class P2PServer:
 
     async def stop(self) -> None:
         """Close the listener and every session, then release all supply."""
-        for task in (self._accept_task, self._lease_task):
-            if task is not None:
-                task.cancel()
-        for task in (self._accept_task, self._lease_task):
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        accept, lease = self._accept_task, self._lease_task
         self._accept_task = self._lease_task = None
+        try:
+            await cancel_and_wait(accept, lease)
+        finally:
+            await self._close_sessions()
+
+    async def _close_sessions(self) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -221,7 +222,7 @@ class P2PServer:
     async def _serve_session(self, channel: FrameChannel, peer: PeerInfo) -> None:
         owned: set[KvRequestId] = set()
         try:
-            await self._session(channel, peer, owned)
+            await self._serving.run(channel, peer, owned)
         except PeerClosed as exc:
             logger.info("p2p peer %s (%s) went away: %s", peer.node_id, channel.peer, exc)
         except ProtocolError as exc:
@@ -239,90 +240,6 @@ class P2PServer:
             for kv_request_id in owned:
                 self.registry.release(kv_request_id, "consumer disconnected")
 
-    async def _session(
-        self, channel: FrameChannel, peer: PeerInfo, owned: set[KvRequestId]
-    ) -> None:
-        queue: asyncio.Queue[Fetch] = asyncio.Queue(_MAX_QUEUED_FETCHES)
-        busy = asyncio.Event()
-        sender = asyncio.create_task(self._send_loop(channel, queue, busy))
-        read: asyncio.Task[Frame | None] | None = None
-        try:
-            while True:
-                read = asyncio.create_task(channel.read_frame())
-                while True:
-                    done, _ = await asyncio.wait(
-                        {read, sender},
-                        timeout=self.settings.idle_session_s,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    if done:
-                        break
-                    if not busy.is_set() and queue.empty():
-                        raise TimeoutError  # idle session
-                if sender in done:
-                    sender.result()  # re-raises why the sender stopped
-                    return
-                frame = read.result()
-                read = None
-                if frame is None:
-                    return
-                if isinstance(frame, Fetch):
-                    if len(frame.keys) > self.settings.max_keys_per_fetch:
-                        raise ProtocolError(f"fetch of {len(frame.keys)} keys exceeds the limit")
-                    for key in frame.keys:  # groups the layout lacks: refuse before serving
-                        self.identity.fingerprint.page_nbytes(key)
-                    if queue.full():
-                        raise ProtocolError("too many fetches queued on one connection")
-                    owned.add(frame.kv_request_id)
-                    queue.put_nowait(frame)
-                elif isinstance(frame, Done | Release):
-                    owned.discard(frame.kv_request_id)
-                    reason = "done" if isinstance(frame, Done) else f"release from {peer.node_id}"
-                    self.registry.release(frame.kv_request_id, reason)
-                else:
-                    raise ProtocolError(f"unexpected {type(frame).__name__} frame from a consumer")
-        finally:
-            tasks = [t for t in (read, sender) if t is not None]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _send_loop(
-        self, channel: FrameChannel, queue: asyncio.Queue[Fetch], busy: asyncio.Event
-    ) -> None:
-        while True:
-            fetch = await queue.get()
-            busy.set()
-            # Bounds a consumer that stops reading, too: the send cannot outlive the fetch.
-            limit = min(fetch.deadline_ms / 1000, self.settings.max_fetch_s) + _SEND_GRACE_S
-            try:
-                async with asyncio.timeout(limit):
-                    await self._serve(channel, fetch)
-            finally:
-                busy.clear()
-
-    async def _serve(self, channel: FrameChannel, fetch: Fetch) -> None:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        deadline = start + fetch.deadline_ms / 1000
-        unknown_until = start + self.settings.unknown_request_wait_s
-        fingerprint = self.identity.fingerprint
-        for i, key in enumerate(fetch.keys):
-            until = min(deadline, loop.time() + self.settings.demand_wait_s)
-            hold = await self.registry.acquire(fetch.kv_request_id, key, until, unknown_until)
-            if isinstance(hold, str):
-                await self._fail(channel, fetch, fetch.keys[i:], hold)
-                return
-            try:
-                nbytes = fingerprint.page_nbytes(key)
-                if len(hold.view) != nbytes:
-                    reason = f"supplied page has {len(hold.view)} bytes, layout says {nbytes}"
-                    await self._fail(channel, fetch, fetch.keys[i:], reason)
-                    return
-                await channel.send_block(key, hold.view, hold.tag)
-            finally:
-                hold.close()
-
     def _take_session(self) -> str | None:
         if self._sessions >= self.settings.max_connections:
             self._counters.busy_total += 1
@@ -332,18 +249,6 @@ class P2PServer:
 
     def _end_session(self) -> None:
         self._sessions -= 1
-
-    async def _fail(
-        self, channel: FrameChannel, fetch: Fetch, keys: tuple[OffloadKey, ...], reason: str
-    ) -> None:
-        logger.info(
-            "p2p fetch %s: failing %d of %d keys: %s",
-            fetch.kv_request_id,
-            len(keys),
-            len(fetch.keys),
-            reason,
-        )
-        await channel.send_frame(Fail(fetch.kv_request_id, keys, reason[:MAX_REASON_CHARS]))
 
 
 class _SessionSlot:

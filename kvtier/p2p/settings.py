@@ -59,3 +59,16 @@ class P2PSettings(BaseSettings):
     """SO_SNDBUF / SO_RCVBUF (0 leaves the kernel default)."""
     released_memory: int = Field(default=4096, ge=0)
     """How many released kv_request_ids are remembered so late demand fails at once."""
+    max_keys_per_offer: int = Field(default=16_384, ge=1)
+    """Holder: keys one ``offer`` may name (symmetric pull, :mod:`kvtier.p2p.offer`); a larger
+    offer closes the session. A puller offers at most this many (the rest is recomputed)."""
+    max_open_offers_per_session: int = Field(default=4, ge=1)
+    """Holder: supplies opened by offers on one session and not yet done, released or expired;
+    one more closes the session (they stay until done, release or lease). A puller has one open
+    at a time."""
+    max_open_offers: int = Field(default=64, ge=1)
+    """Holder: supplies opened by offers and not yet done, released or expired, over all
+    sessions; one more offer is answered ``num_held: 0`` (counted in the refused total)."""
+    offer_lease_s: float = Field(default=10.0, gt=0)
+    """Holder: a supply opened by an offer is released this long after it was opened, fetched
+    or not (the puller fetches at once, then says ``done``)."""

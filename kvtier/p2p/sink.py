@@ -1,10 +1,15 @@
 """Where a consumer installs fetched pages: the protocols :class:`~kvtier.p2p.client.P2PClient`
 writes through (:class:`~kvtier.p2p.pool_pages.PoolSink` implements them over the host pool).
+
+A page is reserved per incoming key, received into, then either committed with the other pages
+of its verified batch (:meth:`BlockSink.commit`: one commit per batch, so a pool's write
+listeners and stored events run once per batch, not once per page) or aborted on its own.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Final, Protocol
 
 from kvtier.keys import OffloadKey
@@ -18,12 +23,8 @@ class PageReservation(Protocol):
         """Writable, exactly the key's payload size (format 'B')."""
         ...
 
-    def commit(self) -> None:
-        """The payload is verified: install the page under its key (readable from now on)."""
-        ...
-
     def abort(self) -> None:
-        """Give the page back; the key stays absent."""
+        """Give the page back; the key stays absent (no-op once committed or aborted)."""
         ...
 
 
@@ -48,4 +49,10 @@ class BlockSink(Protocol):
     def reserve(self, key: OffloadKey, nbytes: int) -> PageReservation | AlreadyHeld | None:
         """A page for ``key``; :data:`ALREADY_HELD` when ``key`` is present locally by now; or
         None when no page can be freed (the prefix ends there)."""
+        ...
+
+    def commit(self, reservations: Sequence[PageReservation]) -> None:
+        """Their payloads are verified: install these pages (reserved by this sink, in arrival
+        order) under their keys, all in one step; readable from now on. A reservation already
+        committed or aborted is skipped."""
         ...

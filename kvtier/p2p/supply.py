@@ -71,6 +71,8 @@ class _Supply:
     lease_deadline: float
     keys: dict[OffloadKey, _Key] = field(default_factory=dict)
     finished: bool = False
+    lease_s: float | None = None
+    """This supply's own lease (an offer's short one); None: the registry's."""
 
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
@@ -130,18 +132,20 @@ class SupplyRegistry:
 
     # ---- producer side (any thread) ---------------------------------------------------------
 
-    def open(self, kv_request_id: KvRequestId) -> None:
+    def open(self, kv_request_id: KvRequestId, *, lease_s: float | None = None) -> None:
         """K started on the producer: demand for its keys now waits instead of failing.
 
         A K released before it opened (the proxy's release raced ahead of the producer leg)
         stays released: nothing is registered for it, so no page is held until a lease ends.
+        ``lease_s``: K's own lease instead of the registry's (a supply opened by an offer).
         """
         with self._lock:
             if self._closed or kv_request_id in self._released:
                 return
             if kv_request_id not in self._requests:
+                lease = self._lease_s if lease_s is None else lease_s
                 self._requests[kv_request_id] = _Supply(
-                    kv_request_id, self._clock() + self._lease_s
+                    kv_request_id, self._clock() + lease, lease_s=lease_s
                 )
             self._wake(kv_request_id)
 
@@ -167,7 +171,7 @@ class SupplyRegistry:
                 keep = False
             else:
                 entry.keys[key] = _Key(page=page, tag=tag)
-                entry.lease_deadline = max(entry.lease_deadline, self._clock() + self._lease_s)
+                entry.lease_deadline = max(entry.lease_deadline, self._clock() + self._lease(entry))
                 self._wake(kv_request_id)
                 keep = True
         if not keep:
@@ -201,7 +205,7 @@ class SupplyRegistry:
             if entry is None:
                 return
             entry.finished = True
-            entry.lease_deadline = self._clock() + self._lease_s
+            entry.lease_deadline = self._clock() + self._lease(entry)
             self._wake(kv_request_id)
 
     def release(self, kv_request_id: KvRequestId, reason: str) -> bool:
@@ -290,6 +294,16 @@ class SupplyRegistry:
             finally:
                 self._forget_waiter(kv_request_id, fut)
 
+    def acquire_readable(self, kv_request_id: KvRequestId, key: OffloadKey) -> SendHold | None:
+        """A hold on ``key``'s page when it is readable now; None otherwise (whatever the
+        reason: :meth:`acquire` tells it). Lets a sender batch the pages that are ready."""
+        with self._lock:
+            entry = self._requests.get(kv_request_id)
+            state = None if entry is None else entry.keys.get(key)
+            if state is None or state.page is None:
+                return None
+            return self._hold(state, state.page)
+
     def _answer(
         self, kv_request_id: KvRequestId, key: OffloadKey, now: float, unknown_until: float
     ) -> SendHold | str | None:
@@ -304,17 +318,20 @@ class SupplyRegistry:
             return None
         state = entry.keys.get(key)
         if state is not None and state.page is not None:
-            state.senders += 1
-            try:
-                return SendHold(self, state, state.page.view(), state.tag)
-            except Exception:
-                state.senders -= 1
-                raise
+            return self._hold(state, state.page)
         if state is not None and state.failed is not None:
             return f"store failed: {state.failed}"
         if state is None and entry.finished:
             return "not in supply (producer request finished)"
         return None
+
+    def _hold(self, state: _Key, page: SupplyPage) -> SendHold:
+        state.senders += 1
+        try:
+            return SendHold(self, state, page.view(), state.tag)
+        except Exception:
+            state.senders -= 1
+            raise
 
     def _end_send(self, state: _Key) -> None:
         page = None
@@ -326,6 +343,9 @@ class SupplyRegistry:
             page.release()
 
     # ---- internals (lock held) --------------------------------------------------------------
+
+    def _lease(self, entry: _Supply) -> float:
+        return self._lease_s if entry.lease_s is None else entry.lease_s
 
     def _detach(self, entry: _Supply) -> list[SupplyPage]:
         pages = []

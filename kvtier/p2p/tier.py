@@ -47,6 +47,7 @@ from kvtier.p2p.frames import KvRequestId
 from kvtier.p2p.layout import LayoutFingerprint
 from kvtier.p2p.page_tags import PageTagCache
 from kvtier.p2p.pool_pages import PoolSupplyPage
+from kvtier.p2p.sealing import PageTag
 from kvtier.p2p.supply import SupplyRegistry
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,24 @@ class P2PTier(SecondaryTier):
                 key, ref.index, partial(self._registry.page_sealer.tag, page.view())
             )
             self._registry.supply(rid, key, page, tag)
+
+    def pin_readable(self, key: OffloadKey) -> tuple[PoolSupplyPage, PageTag] | None:
+        """A reference on ``key``'s READABLE pool page and its tag (cached per write), or None
+        when the pool lacks it or its write is still in flight (an offer's holder side)."""
+        try:
+            nbytes = self._fingerprint.page_nbytes(key)
+            ref = self._pool.acquire(key)
+        except (UnknownKey, ValueError):
+            return None
+        try:
+            page = PoolSupplyPage(ref, nbytes)
+            tag = self._tags.tag_of(
+                key, ref.index, partial(self._registry.page_sealer.tag, page.view())
+            )
+        except BaseException:
+            ref.release()
+            raise
+        return page, tag
 
     def on_store_pending(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         rid = self.kv_request_id(ctx)

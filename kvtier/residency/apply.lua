@@ -2,21 +2,21 @@
 -- KEYS[1] hash node -> slot   KEYS[2] hash slot -> node   KEYS[3] set of known nodes
 -- KEYS[4] set of retired slots   KEYS[5] set of free slots   KEYS[6] slots ever handed out
 -- KEYS[7] names epoch (bumped when a slot is retired)   KEYS[8] the node's engine-hash map
--- KEYS[9] its last applied sequence   KEYS[10] its lease
--- KEYS[11..] residency keys <tag>:r:<h> of the blocks the operations name, in order
+-- KEYS[9] its last applied sequence   KEYS[10] its lease   KEYS[11] <tag>:res
 -- ARGV[1] node; ARGV[2] most slots per model; ARGV[3] the writer ("" when no lease is used:
 -- otherwise the call is refused with NOTOWNER, writing nothing, unless the lease names it);
 -- then operations:
---   "S", tier ("G"/"C"), n   -- the next n blocks became resident
---   "R", tier, n             -- the next n blocks left the tier
+--   "S", tier ("G"/"C"), ids -- these blocks (8-byte ids, packed) became resident
+--   "R", tier, ids           -- these blocks left the tier
 --   "C"                      -- cleared: the node's slot is retired (its entries are ignored
 --                               at once and scrubbed by a sweep before the slot is reused)
 --   "X"                      -- the engine-hash map is emptied
 --   "M", field, value        -- one engine-hash map entry set
 --   "D", field               -- one engine-hash map entry dropped
 --   "Q", seq                 -- the node's last applied batch
--- Residency of block h (<tag>:r:h) is a bitmap: bit 2*slot set while the slot holds it on GPU,
--- bit 2*slot+1 on CPU (SETBIT offsets). A node gets a slot when it first
+-- Residency of a block (a field of <tag>:res) is a bitmap: bit 2*slot (little-endian: byte
+-- slot/4, bit 2*(slot%4) of it) set while the slot holds it on GPU, bit 2*slot+1 on CPU; no
+-- trailing zero bytes, and a field left empty is deleted. A node gets a slot when it first
 -- stores (a swept free one, else a new one). Fails with NOSLOT, before writing anything, when
 -- it needs a slot and none is left.
 local call = redis.call
@@ -39,16 +39,31 @@ if need and call('SCARD', KEYS[5]) == 0 and (tonumber(call('GET', KEYS[6])) or 0
 end
 call('SADD', KEYS[3], node)
 
--- Set (add) or clear (not add) one bit; a bitmap left empty is deleted.
-local function update(key, offset, add)
+local sub, byte, char, band, bor = string.sub, string.byte, string.char, bit.band, bit.bor
+local RES = KEYS[11]
+
+-- Set (add) or clear (not add) bit ``mask`` of byte ``at`` of block ``id``'s bitmap.
+local function update(id, at, mask, add)
+  local v = call('HGET', RES, id)
+  if not v then
+    if add then call('HSET', RES, id, string.rep('\0', at - 1) .. char(mask)) end
+    return
+  end
+  local b = byte(v, at) or 0
   if add then
-    call('SETBIT', key, offset, 1)
-  elseif call('SETBIT', key, offset, 0) == 1 and call('BITCOUNT', key) == 0 then
-    call('DEL', key)
+    if band(b, mask) ~= 0 then return end
+    if #v < at then
+      v = v .. string.rep('\0', at - 1 - #v) .. char(mask)
+    else
+      v = sub(v, 1, at - 1) .. char(bor(b, mask)) .. sub(v, at + 1)
+    end
+    call('HSET', RES, id, v)
+  elseif band(b, mask) ~= 0 then
+    v = string.gsub(sub(v, 1, at - 1) .. char(b - mask) .. sub(v, at + 1), '%z+$', '')
+    if v == '' then call('HDEL', RES, id) else call('HSET', RES, id, v) end
   end
 end
 
-local k = 11
 i = 4
 while i <= #ARGV do
   local op = ARGV[i]
@@ -69,18 +84,18 @@ while i <= #ARGV do
   elseif op == 'Q' then
     call('SET', KEYS[9], ARGV[i + 1])
   else
-    local n = tonumber(ARGV[i + 2])
     if op == 'S' and not slot then
       slot = tonumber(call('SPOP', KEYS[5])) or (call('INCR', KEYS[6]) - 1)
       call('HSET', KEYS[1], node, slot)
       call('HSET', KEYS[2], slot, node)
     end
     if slot then
-      local offset = 2 * slot + (ARGV[i + 1] == 'G' and 0 or 1)
+      local at = math.floor(slot / 4) + 1
+      local mask = 2 ^ ((2 * slot) % 8 + (ARGV[i + 1] == 'G' and 0 or 1))
       local add = op == 'S'
-      for j = k, k + n - 1 do update(KEYS[j], offset, add) end
+      local ids = ARGV[i + 2]
+      for j = 1, #ids, 8 do update(sub(ids, j, j + 7), at, mask, add) end
     end
-    k = k + n
   end
   i = i + WIDTH[op]
 end

@@ -7,15 +7,17 @@ predicted. ``match`` is then one C-level pass over the prompt: ``accumulate(mask
 keeps the running AND of all four tiers of every node at once, ``takewhile`` stops at the first
 block no node holds, and the positions where bits leave the running AND are the nodes' prefix
 lengths per tier. A node that holds none of the prompt's blocks adds no bit to its masks, so the
-cost of a match follows the nodes that hold its blocks, not the number of nodes known. Per-node
-sets keep what each node holds so ``forget`` and ``AllBlocksCleared`` are exact.
+cost of a match follows the nodes that hold its blocks, not the number of nodes known; a match
+``among`` a decision's candidates starts the running AND from their bits only, so it stops at
+the first block no candidate holds and extracts a handful of bits. Per-node sets keep what each
+node holds so ``forget`` and ``AllBlocksCleared`` are exact.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import accumulate, groupby, repeat, takewhile
 from operator import and_
 
@@ -35,25 +37,50 @@ from kvtier.residency.types import Match, NodeId
 _GPU, _CPU, _ANY, _SEEN = range(4)
 """A node's bits in the packed masks; ``_SEEN`` is any tier or predicted."""
 _FIELDS = 4
+_NODE_BITS = (1 << _FIELDS) - 1
 
 
-def _drops(masks: Iterable[int]) -> dict[int, int]:
-    """Bit → length of the leading run of ``masks`` that all contain it (absent when 0)."""
+def _positions(bits: int) -> list[int]:
+    """Positions of the set bits of ``bits`` (≥ 0).
+
+    Few bits (a node or two leaving the running AND): one ``bit_length`` per bit. Many:
+    ``bin`` and ``str.find`` in C, one step per set bit, where ``bits & -bits`` would allocate
+    an integer as wide as ``bits`` (4,096 bits at 1,024 nodes) per set bit.
+    """
+    if bits.bit_count() <= 8:
+        out = []
+        while bits:
+            top = bits.bit_length() - 1
+            out.append(top)
+            bits ^= 1 << top
+        return out
+    text = bin(bits)[:1:-1]
+    out = []
+    find = text.find
+    pos = find("1")
+    while pos >= 0:
+        out.append(pos)
+        pos = find("1", pos + 1)
+    return out
+
+
+def _drops(masks: Iterable[int], keep: int) -> dict[int, int]:
+    """Bit position → length of the leading run of ``masks`` that all contain it, for the
+    bits of ``keep`` (-1: all); a bit in no leading mask is absent."""
     out: dict[int, int] = {}
     pos = 0
     prev = 0
-    for value, run in groupby(takewhile(bool, accumulate(masks, and_))):
+    running = accumulate(masks, and_, initial=keep)
+    next(running)  # ``keep`` itself
+    for value, run in groupby(takewhile(bool, running)):
         gone = prev & ~value
-        while gone:
-            low = gone & -gone
-            out[low] = pos
-            gone ^= low
+        if gone:
+            for bit in _positions(gone):
+                out[bit] = pos
         pos += len(list(run))
         prev = value
-    while prev:
-        low = prev & -prev
-        out[low] = pos
-        prev ^= low
+    for bit in _positions(prev):
+        out[bit] = pos
     return out
 
 
@@ -200,11 +227,22 @@ class MemoryIndex:
                 if h not in node.gpu and h not in node.cpu:
                     self._unset(h, self._bit(index, _SEEN))
 
-    async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
+    async def match(
+        self, hashes: Sequence[BlockHash], among: Collection[NodeId] | None = None
+    ) -> dict[NodeId, Match]:
         self._expire(self._clock())
+        keep = -1
+        if among is not None:
+            keep = 0
+            for name in among:
+                node = self._nodes.get(name)
+                if node is not None:
+                    keep |= _NODE_BITS << (node.index * _FIELDS)
+            if not keep:
+                return {}
         lengths: dict[int, list[int]] = {}
-        for low, length in _drops(map(self._masks.get, hashes, repeat(0))).items():
-            index, field = divmod(low.bit_length() - 1, _FIELDS)
+        for bit, length in _drops(map(self._masks.get, hashes, repeat(0)), keep).items():
+            index, field = divmod(bit, _FIELDS)
             row = lengths.get(index)
             if row is None:
                 row = lengths[index] = [0, 0, 0, 0]

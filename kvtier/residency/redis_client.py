@@ -99,8 +99,68 @@ def _packed(parts: list[bytes]) -> bytes:
     return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%b\r\n" % (len(p), p) for p in parts)
 
 
+def packed_hmget(key: bytes, fields: Sequence[bytes], width: int) -> bytes:
+    """``HMGET key fields...`` in RESP for fields of ``width`` bytes each (at least one): one
+    C-level join, however many fields."""
+    head = b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(fields) + 2, len(key), key, width)
+    return head + (b"\r\n$%d\r\n" % width).join(fields) + b"\r\n"
+
+
+def packed_command(*parts: bytes) -> bytes:
+    return _packed(list(parts))
+
+
+async def run_packed(
+    client: Redis, data: bytes, replies: int, *, scripts: Sequence[AsyncScript] = ()
+) -> list[Any]:
+    """Send commands packed by :func:`packed_command`, :func:`packed_hmget` and
+    :func:`packed_script_call` in one write on a single-node client and read their ``replies``
+    replies (an error reply raises). ``scripts``: those the data calls by SHA; when Redis lost
+    one (NOSCRIPT: refused before it ran) they are loaded and the data sent again, so pass
+    scripts only when every command sent is a read."""
+    pool = client.connection_pool
+    conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        for attempt in range(2):
+            await conn.send_packed_command(data, check_health=False)
+            results: list[Any] = []
+            error: ResponseError | None = None
+            for _ in range(replies):
+                try:
+                    results.append(await conn.read_response())
+                except ResponseError as exc:
+                    error = error or exc
+            if error is None:
+                return results
+            if not isinstance(error, NoScriptError) or not scripts or attempt == 1:
+                raise error
+            await _load_scripts(conn, scripts)
+        raise AssertionError("unreachable")
+    except ResponseError:
+        raise
+    except BaseException:
+        await conn.disconnect()  # a reply may be left unread: never reuse this connection
+        raise
+    finally:
+        await pool.release(conn)
+
+
+async def _load_scripts(conn: Any, scripts: Sequence[AsyncScript]) -> None:
+    for script in {id(s): s for s in scripts}.values():
+        source = script.script
+        body = source.encode() if isinstance(source, str) else bytes(source)
+        await conn.send_packed_command(_packed([b"SCRIPT", b"LOAD", body]), check_health=False)
+        await conn.read_response()
+
+
 ScriptCall = tuple[AsyncScript, Sequence[bytes], Sequence[bytes | str | int]]
 """A script, its KEYS and its ARGV."""
+
+
+def packed_script_call(call: ScriptCall) -> bytes:
+    """``EVALSHA`` of one script call in RESP."""
+    script, keys, args = call
+    return _packed([b"EVALSHA", script.sha.encode(), b"%d" % len(keys), *keys, *map(_arg, args)])
 
 
 async def run_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
@@ -110,11 +170,8 @@ async def run_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     pool = client.connection_pool
     conn = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
+        data = b"".join(map(packed_script_call, calls))
         for attempt in range(2):
-            data = b"".join(
-                _packed([b"EVALSHA", s.sha.encode(), b"%d" % len(k), *k, *map(_arg, a)])
-                for s, k, a in calls
-            )
             await conn.send_packed_command(data, check_health=False)
             results: list[Any] = []
             lost: ResponseError | None = None
@@ -132,20 +189,7 @@ async def run_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
                 return results
             if attempt == 1:
                 raise lost
-            for script in {id(s): s for s, _, _ in calls}.values():
-                await conn.send_packed_command(
-                    _packed(
-                        [
-                            b"SCRIPT",
-                            b"LOAD",
-                            bytes(script.script)
-                            if not isinstance(script.script, str)
-                            else script.script.encode(),
-                        ]
-                    ),
-                    check_health=False,
-                )
-                await conn.read_response()
+            await _load_scripts(conn, [s for s, _, _ in calls])
         raise AssertionError("unreachable")
     except (ResponseError, NoScriptError):
         raise

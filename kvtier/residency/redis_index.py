@@ -2,18 +2,18 @@
 
 Each live node owns a slot (up to 65,536 per model, live and retired together). A block's
 residency value is a bitmap of its holders' slots per tier, which the match walk ANDs as
-integers: a thousand nodes cost a few hundred bytes per value, not a loop per node.
+integers: a thousand nodes cost a few hundred bytes per value, not a loop per node. Blocks are
+fields of two hashes (residency, predictions), named by 8-byte ids packed into one argument, so
+every script declares a fixed handful of keys and a match sends 8 bytes per block.
 
-``match`` reads residency and prediction values in chunks (a short first one, then up to
-``max_blocks_per_read`` blocks), one read-only script call each (``read``: the values, the Redis
-clock and the names epoch), and walks them here (:mod:`.redis_walk`, integer ANDs); it stops
-reading at the first block that no node still matching holds or has predicted. Slot names are
-cached until the epoch moves (a slot was retired or handed back); a slot that names no node is
-retired and ignored. Writes run as Lua scripts
-(``*.lua`` beside this module) that declare every key they touch: ``apply`` (one node's translated
-operations), ``predict`` (speculative entries with a TTL), ``forget`` (retire a node's slot),
-``sweep`` (scrub retired slots' entries before the slot is handed out again; in the background
-once ``SWEEP_AFTER_RETIRED`` slots are retired), ``free`` (hand swept slots back).
+``match`` reads with plain commands, in chunks (:mod:`.redis_match`: one round trip each, the
+walk in :mod:`.redis_walk`); ``match_with`` sends a caller's read-only script calls with the
+first chunk. Writes run as Lua scripts (``*.lua`` beside this module) that declare every key
+they touch: ``apply`` (one node's translated operations), ``predict`` (speculative entries
+with a TTL; each call also scans and cleans as many prediction fields as it writes),
+``forget`` (retire a node's slot), ``sweep`` (scrub retired slots' entries before the slot is
+handed out again, a bounded scan step per call; in the background once
+``SWEEP_AFTER_RETIRED`` slots are retired), ``free`` (hand swept slots back).
 
 Cost per call is bounded whatever the prompt: every write names at most
 ``max_blocks_per_call`` blocks and every read ``max_blocks_per_read``; a longer prompt or batch
@@ -33,13 +33,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from importlib.resources import files
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
 
 from kvtier.errors import ResidencyUnavailable
 from kvtier.events.types import Medium
@@ -52,11 +50,10 @@ from kvtier.residency.redis_client import (
     run_scripts,
 )
 from kvtier.residency.redis_emap import MapWrite, SharedEngineMaps
-from kvtier.residency.redis_layout import (
-    ModelKeys,
-)
+from kvtier.residency.redis_layout import ModelKeys, block_ids, script_source
+from kvtier.residency.redis_match import RedisMatcher
 from kvtier.residency.redis_settings import RedisIndexSettings
-from kvtier.residency.redis_walk import Walk
+from kvtier.residency.redis_sweep import RetiredSlots
 from kvtier.residency.translate import (
     ClearOp,
     ResidencyOp,
@@ -65,25 +62,19 @@ from kvtier.residency.translate import (
 )
 from kvtier.residency.types import Match, NodeId
 
-__all__ = ["FIRST_MATCH_CHUNK", "RedisIndex", "RedisIndexSettings", "check_hashes"]
+__all__ = ["RedisIndex", "RedisIndexSettings", "check_hashes"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _TIER = {Medium.GPU: b"G", Medium.CPU: b"C"}
-FIRST_MATCH_CHUNK = 64
-"""Blocks read by a match's first MGET: most prompts that match nothing stop there."""
-
-
-def _lua(name: str) -> str:
-    return files("kvtier.residency").joinpath(name).read_text(encoding="utf-8")
 
 
 def check_hashes(hashes: Sequence[BlockHash]) -> None:
     """Refuse, before sending anything, hashes that are not router block hashes."""
-    for h in hashes:
-        if len(h) != BLOCK_HASH_BYTES:
-            raise ValueError(f"block hashes must be {BLOCK_HASH_BYTES} bytes each, got {len(h)}")
+    wrong = set(map(len, hashes)) - {BLOCK_HASH_BYTES}  # C-level: a decision checks 512
+    if wrong:
+        raise ValueError(f"block hashes must be {BLOCK_HASH_BYTES} bytes each, got {min(wrong)}")
 
 
 class RedisIndex:
@@ -114,13 +105,10 @@ class RedisIndex:
             max_connections=settings.max_connections,
         )
         self._cluster = isinstance(self._redis, RedisCluster)
-        self._apply = self._redis.register_script(_lua("apply.lua"))
-        self._predict = self._redis.register_script(_lua("predict.lua"))
-        self._forget = self._redis.register_script(_lua("forget.lua"))
-        self._sweep = self._redis.register_script(_lua("sweep.lua"))
-        self._free = self._redis.register_script(_lua("free.lua"))
-        self._read = self._redis.register_script(_lua("read.lua"))
-        self._lease = self._redis.register_script(_lua("lease.lua"))
+        self._apply = self._redis.register_script(script_source("apply.lua"))
+        self._predict = self._redis.register_script(script_source("predict.lua"))
+        self._forget = self._redis.register_script(script_source("forget.lua"))
+        self._lease = self._redis.register_script(script_source("lease.lua"))
         self._maps = SharedEngineMaps(
             hasher,
             settings.group_idx,
@@ -128,15 +116,19 @@ class RedisIndex:
             self.keys,
             lambda fn: self._call("apply", settings.apply_deadline_s, fn),
         )
+        self._retired = RetiredSlots(self._redis, self.keys, settings, self._call)
         self._sweep_task: asyncio.Task[int] | None = None
         self.sweeps = 0
-        self._names_cache: dict[int, str | None] = {}
-        self._names_epoch = -1
+        self._matcher = RedisMatcher(self._redis, self.keys, settings.max_blocks_per_read)
         self.writer: str | None = None
         """This replica's name when it writes event streams under leases (apply is then
         refused unless it holds the node's lease); None: no leases (one proxy)."""
-        self.calls = 0
-        """Script calls and MGETs sent (a test counts chunks with it)."""
+        self._script_calls = 0
+
+    @property
+    def calls(self) -> int:
+        """Script calls and reads sent (a test counts chunks with it)."""
+        return self._script_calls + self._matcher.calls
 
     @property
     def max_blocks_per_call(self) -> int:
@@ -161,7 +153,7 @@ class RedisIndex:
     async def _scripts(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """Run script calls in order: one packed round trip on a single node; one call after
         another on a cluster (its client pipelines no scripts)."""
-        self.calls += len(calls)
+        self._script_calls += len(calls)
         if self._cluster:
             return [await script(keys=keys, args=args) for script, keys, args in calls]
         assert isinstance(self._redis, Redis)
@@ -176,18 +168,17 @@ class RedisIndex:
         of at most ``max_blocks_per_call`` blocks or map entries each."""
         limit = self._settings.max_blocks_per_call
         k = self.keys
-        fixed = [*k.meta, k.emap(node), k.seq(node), k.lease(node)]  # KEYS[1..10]
+        keys = [*k.meta, k.emap(node), k.seq(node), k.lease(node), k.res]
         head: list[Any] = [node, self._settings.max_node_slots, self.writer or ""]
         calls: list[ScriptCall] = []
-        keys: list[bytes] = []
         args: list[Any] = []
         used = 0
 
         def flush() -> None:
-            nonlocal keys, args, used
+            nonlocal args, used
             if args or not calls:  # an empty batch still makes the node known
-                calls.append((self._apply, fixed + keys, head + args))
-            keys, args, used = [], [], 0
+                calls.append((self._apply, keys, head + args))
+            args, used = [], 0
 
         for op in ops:
             if isinstance(op, ClearOp):
@@ -201,8 +192,7 @@ class RedisIndex:
                 if used == limit:
                     flush()
                 part = hashes[start : start + limit - used]
-                keys += [k.r + h for h in part]
-                args += [kind, _TIER[op.medium], len(part)]
+                args += [kind, _TIER[op.medium], block_ids(part)]
                 start += len(part)
                 used += len(part)
         for extra in tail:
@@ -239,19 +229,23 @@ class RedisIndex:
             raise
         self._maps.written(touched)
 
-    async def lease(self, node: NodeId, *, take: bool, ttl_s: float) -> tuple[bool, int]:
-        """Take (or renew) this index's writer lease on ``node``'s event stream, or drop it.
-        Returns whether it is held now and the node's last applied sequence (-1: none)."""
+    async def lease(
+        self, node: NodeId, *, take: bool, ttl_s: float, free_too: bool = True
+    ) -> tuple[bool, int, int]:
+        """Take (or renew) this index's writer lease on ``node``'s event stream, or drop it;
+        ``free_too=False`` renews a lease held but takes no free one. Returns whether it is
+        held now, the node's last applied sequence (-1: none) and the live proxy replicas."""
         if self.writer is None:
             raise ValueError("a lease needs a writer name (RedisIndex.writer)")
         k = self.keys
-        args = [b"take" if take else b"drop", self.writer, max(1, round(ttl_s * 1000))]
-        held, seq = await self._call(
+        mode = (b"take" if free_too else b"renew") if take else b"drop"
+        args: list[bytes | str | int] = [mode, self.writer, max(1, round(ttl_s * 1000))]
+        held, seq, live = await self._call(
             "lease",
             self._settings.apply_deadline_s,  # a background call, like apply
-            lambda: self._lease(keys=[k.lease(node), k.seq(node)], args=args),
+            lambda: self._lease(keys=[k.lease(node), k.seq(node), k.replicas], args=args),
         )
-        return bool(held), int(seq)
+        return bool(held), int(seq), int(live)
 
     async def predict(self, node: NodeId, hashes: Sequence[BlockHash], ttl_s: float) -> None:
         if ttl_s <= 0:
@@ -261,14 +255,10 @@ class RedisIndex:
         check_hashes(hashes)
         ttl_ms = max(1, round(ttl_s * 1000))
         limit = self._settings.max_blocks_per_call
-        head = [*self.keys.meta, self.keys.plive]
-        p = self.keys.p
+        keys = [*self.keys.meta, self.keys.pred, self.keys.pgc]
+        head: list[bytes | str | int] = [node, self._settings.max_node_slots, ttl_ms]
         calls: list[ScriptCall] = [
-            (
-                self._predict,
-                head + [p + h for h in hashes[i : i + limit]],
-                [node, self._settings.max_node_slots, ttl_ms],
-            )
+            (self._predict, keys, [*head, block_ids(hashes[i : i + limit])])
             for i in range(0, len(hashes), limit)
         ]
         await self._call("predict", self._settings.deadline_s, lambda: self._scripts(calls))
@@ -292,49 +282,33 @@ class RedisIndex:
 
     # -- reads -----------------------------------------------------------------------------
 
-    async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
-        if not hashes:
-            return {}
+    async def match(
+        self, hashes: Sequence[BlockHash], among: Collection[NodeId] | None = None
+    ) -> dict[NodeId, Match]:
+        matches, _ = await self.match_with(hashes, among)
+        return matches
+
+    async def match_with(
+        self,
+        hashes: Sequence[BlockHash],
+        among: Collection[NodeId] | None = None,
+        riders: Sequence[ScriptCall] = (),
+    ) -> tuple[dict[NodeId, Match], list[Any]]:
+        """:meth:`match`, plus the replies of ``riders``: read-only script calls (on this
+        index's client) sent in the same round trip as the first chunk."""
         check_hashes(hashes)
-        return await self._call("match", self._settings.deadline_s, lambda: self._match(hashes))
-
-    async def _match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
-        k = self.keys
-        limit = self._settings.max_blocks_per_read
-        walk: Walk | None = None
-        epoch = 0
-        start = 0
-        while start < len(hashes) and (walk is None or walk.alive):
-            part = hashes[start : start + (FIRST_MATCH_CHUNK if start == 0 else limit)]
-            keys = [k.epoch, k.plive, *(k.r + h for h in part), *(k.p + h for h in part)]
-            now_ms, epoch, rv, pv = (await self._scripts([(self._read, keys, [len(part)])]))[0]
-            if walk is None:
-                walk = Walk(int(now_ms))
-            walk.feed(rv, pv)
-            start += len(part)
-        lengths = walk.result() if walk is not None else {}
-        names = await self._names(int(epoch), list(lengths))
-        out: dict[NodeId, Match] = {}
-        for slot, (g, c, t, p) in lengths.items():
-            name = names.get(slot)
-            if name is not None:  # None: a retired slot awaiting its sweep
-                out[NodeId(name)] = Match(gpu=g, cpu=c, total=t, predicted=p)
-        return out
-
-    async def _names(self, epoch: int, slots: list[int]) -> dict[int, str | None]:
-        """Node names of ``slots``, cached while the names epoch stays (a retired or reused
-        slot bumps it); one HMGET for slots not cached."""
-        if epoch != self._names_epoch:
-            self._names_cache.clear()
-            self._names_epoch = epoch
-        cache = self._names_cache
-        missing = [s for s in slots if s not in cache]
-        if missing:
-            self.calls += 1
-            got: list[Any] = await self._redis.hmget(self.keys.names, missing)
-            for slot, name in zip(missing, got, strict=True):
-                cache[slot] = name.decode() if name is not None else None
-        return cache
+        if not hashes:
+            if not riders:
+                return {}, []
+            rode = await self._call(
+                "match", self._settings.deadline_s, lambda: self._scripts(riders)
+            )
+            return {}, rode
+        return await self._call(
+            "match",
+            self._settings.deadline_s,
+            lambda: self._matcher.match(hashes, among, riders),
+        )
 
     async def nodes(self) -> list[NodeId]:
         members: set[bytes] = await self._call(
@@ -356,47 +330,13 @@ class RedisIndex:
             self._sweep_task.add_done_callback(_log_sweep)
 
     async def sweep(self, chunk: int = 500) -> int:
-        """Scrub retired slots' entries from every block key, then free those slots.
-
-        Scans the model's keys in chunks (each chunk one script call under the apply
-        deadline). Returns the number of slots freed.
-        """
-        k = self.keys
-        members: set[bytes] = await self._call(
-            "sweep",
-            self._settings.deadline_s,
-            lambda: self._redis.smembers(k.retired),  # type: ignore[arg-type,return-value]
-        )
-        slots = sorted(int(m) for m in members)
-        if not slots:
-            return 0
-        pattern = _glob_escape(k.tag.encode()) + b":[rp]:*"
-        batch: list[bytes] = []
-
-        async def scrub(keys: list[bytes]) -> None:
-            await self._call(
-                "sweep",
-                self._settings.apply_deadline_s,
-                lambda: self._sweep(keys=keys, args=slots),
-            )
-
-        try:
-            async for key in self._redis.scan_iter(match=pattern, count=1000):
-                batch.append(key)
-                if len(batch) >= chunk:
-                    await scrub(batch)
-                    batch = []
-            if batch:
-                await scrub(batch)
-        except (RedisError, OSError) as exc:
-            raise ResidencyUnavailable(f"redis sweep failed: {exc!r}") from exc
-        await self._call(
-            "sweep",
-            self._settings.deadline_s,
-            lambda: self._free(keys=[k.retired, k.free, k.epoch], args=slots),
-        )
-        self.sweeps += 1
-        logger.info("residency sweep freed node slots %s", slots)
+        """Scrub retired slots' entries from every block, then free those slots
+        (:mod:`.redis_sweep`: about ``chunk`` fields per script call, each under the apply
+        deadline). Returns the number of slots freed."""
+        slots = await self._retired.sweep(chunk)
+        if slots:
+            self.sweeps += 1
+            logger.info("residency sweep freed node slots %s", slots)
         return len(slots)
 
     async def close(self) -> None:
@@ -408,15 +348,6 @@ class RedisIndex:
                 await task
         if self._own_client:
             await self._redis.aclose()
-
-
-def _glob_escape(raw: bytes) -> bytes:
-    out = bytearray()
-    for byte in raw:
-        if byte in b"*?[]\\":
-            out += b"\\"
-        out.append(byte)
-    return bytes(out)
 
 
 def _log_sweep(task: asyncio.Task[int]) -> None:

@@ -15,18 +15,31 @@ key                        type    value
 ``{t}:next``               string  slots ever handed out (the next new slot)
 ``{t}:epoch``              string  bumped whenever a slot stops naming its node (readers cache
                                    slot names and drop them when it changes)
-``{t}:plive``              string  exists while any prediction may (TTL of the longest one)
-``{t}:r:<h>``              string  residency of block ``h``: a bitmap, bit ``2*slot`` set while
-                                   the slot holds it on GPU, ``2*slot + 1`` on CPU (SETBIT)
-``{t}:p:<h>``              string  predictions of ``h``: 16-byte entries: slot (2 bytes), expiry
-                                   (14 ASCII digits, ms on the Redis clock)
+``{t}:res``                hash    block id → residency bitmap: bit ``2*slot`` (little-endian,
+                                   as ``int.from_bytes(v, "little")`` reads it) set while the
+                                   slot holds the block on GPU, ``2*slot + 1`` on CPU; no
+                                   trailing zero bytes, no empty values
+``{t}:pred``               hash    block id → predictions: 16-byte entries: slot (2 bytes),
+                                   expiry (14 ASCII digits, ms on the Redis clock); the key
+                                   expires with its longest-lived prediction
+``{t}:pgc``                string  cursor of the incremental scan that drops expired
+                                   prediction entries (each predict call scans as many fields
+                                   as it writes)
 ``{t}:emap:<node>``        hash    the node's engine-hash map: engine hash (``i<int>`` or
                                    ``b<bytes>``) → media mask (1 byte) + its router hashes, so
                                    whichever replica writes the node's events next resolves
                                    removals of blocks stored before it took over
 ``{t}:seq:<node>``         string  sequence number of the node's last applied event batch
 ``{t}:lease:<node>``       string  the replica that writes the node's events (with a TTL)
+``{t}:replicas``           zset    live proxy replicas → heartbeat expiry (written by the
+                                   router's shared load; leases count them to share streams)
 =========================  ======  ===========================================================
+
+A block id is the first :data:`BLOCK_ID_BYTES` bytes of its router hash: blocks are hash fields,
+not keys, so a script declares three keys whatever the prompt's length and the client sends
+8 bytes per block, packed into one argument (a 512-block match sends 4 KiB, where a key name
+per block sent ~40 KiB). Two blocks share an id with probability ~n²/2⁶⁵ for n stored blocks
+(~3·10⁻⁴ at 10⁸ blocks); a collision can only misstate one match, never corrupt a write.
 
 A residency value is a quarter byte per slot up to its highest holder: the match walk turns it
 into one integer (C-level) and ANDs it along the chain, so a thousand nodes cost bytes, not
@@ -37,6 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib.resources import files
 
 from kvtier.events.types import EngineBlockHash
 from kvtier.keys import BLOCK_HASH_BYTES, BlockHash
@@ -47,8 +61,12 @@ MAX_SLOTS = 1 << 16
 
 TIER_GPU, TIER_CPU = 1, 2
 PREDICTION_ENTRY = 16
-_REVERSED = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
-"""Byte → the byte with its bits reversed (SETBIT offset 0 is a byte's high bit)."""
+BLOCK_ID_BYTES = 8
+
+
+def script_source(name: str) -> str:
+    """A Lua script beside this module (each names the keys it touches in its header)."""
+    return files("kvtier.residency").joinpath(name).read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +81,9 @@ class ModelKeys:
     free: bytes
     next: bytes
     epoch: bytes
-    plive: bytes
-    r: bytes
-    """Prefix of residency keys (``r + h``)."""
-    p: bytes
-    """Prefix of prediction keys (``p + h``)."""
+    res: bytes
+    pred: bytes
+    pgc: bytes
 
     @classmethod
     def of(cls, namespace: str, model_seed: str) -> ModelKeys:
@@ -82,9 +98,9 @@ class ModelKeys:
             t + b":free",
             t + b":next",
             t + b":epoch",
-            t + b":plive",
-            t + b":r:",
-            t + b":p:",
+            t + b":res",
+            t + b":pred",
+            t + b":pgc",
         )
 
     @property
@@ -102,6 +118,11 @@ class ModelKeys:
 
     def lease(self, node: str) -> bytes:
         return f"{self.tag}:lease:{node}".encode()
+
+    @property
+    def replicas(self) -> bytes:
+        """The live proxy replicas (kept by ``pdproxy.routing.kv.shared_load``)."""
+        return f"{self.tag}:replicas".encode()
 
 
 def engine_field(h: EngineBlockHash) -> bytes:
@@ -122,9 +143,18 @@ def parse_emap_value(value: bytes) -> tuple[int, tuple[BlockHash, ...]]:
     return value[0], tuple(BlockHash(value[i : i + n]) for i in range(1, len(value), n))
 
 
+def block_ids(hashes: Sequence[BlockHash]) -> bytes:
+    """The blocks' ids packed into one script argument (8 bytes each)."""
+    return b"".join([h[:BLOCK_ID_BYTES] for h in hashes])
+
+
+def block_id(h: BlockHash) -> bytes:
+    return h[:BLOCK_ID_BYTES]
+
+
 def residency_bits(value: bytes | None) -> int:
     """A residency bitmap as an integer: bit ``2*slot`` GPU, ``2*slot + 1`` CPU."""
-    return int.from_bytes(value.translate(_REVERSED), "little") if value else 0
+    return int.from_bytes(value, "little") if value else 0
 
 
 def holders(value: bytes | None) -> dict[int, int]:

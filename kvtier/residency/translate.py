@@ -67,12 +67,11 @@ class TranslateStats:
     """AllBlocksCleared events."""
 
 
-class _Entry:
-    __slots__ = ("hashes", "mask")
-
-    def __init__(self, hashes: tuple[BlockHash, ...], mask: int) -> None:
-        self.hashes = hashes
-        self.mask = mask
+_Entry = tuple[int, tuple[BlockHash, ...]]
+"""(media mask, router hashes) of one engine block. A tuple of ints and bytes, so the
+collector stops tracking it after its first pass: a router knows hundreds of thousands of
+engine blocks, and objects it tracks (a ``__slots__`` class) made a full collection walk every
+one of them (hundreds of ms at 1,024 nodes, a pause that lands in some decision's time)."""
 
 
 class EngineHashMap:
@@ -110,15 +109,14 @@ class EngineHashMap:
     def load(self, engine_hash: EngineBlockHash, mask: int, hashes: tuple[BlockHash, ...]) -> None:
         """An entry learnt from the shared map."""
         if mask and hashes:
-            self._entries[engine_hash] = _Entry(hashes, mask)
+            self._entries[engine_hash] = (mask, hashes)
 
     def entry(self, engine_hash: EngineBlockHash) -> tuple[int, tuple[BlockHash, ...]] | None:
         """(media mask, router hashes) of one engine block, or None."""
-        e = self._entries.get(engine_hash)
-        return None if e is None else (e.mask, e.hashes)
+        return self._entries.get(engine_hash)
 
     def entries(self) -> list[tuple[EngineBlockHash, int, tuple[BlockHash, ...]]]:
-        return [(h, e.mask, e.hashes) for h, e in self._entries.items()]
+        return [(h, mask, hashes) for h, (mask, hashes) in self._entries.items()]
 
     def translate(self, batch: EventBatch) -> list[ResidencyOp]:
         """Update the map with ``batch`` and return what changed, in router hashes."""
@@ -140,10 +138,10 @@ class EngineHashMap:
     def snapshot(self) -> list[StoreOp]:
         """Everything the map knows to be resident, as store operations (for a resync)."""
         by_medium: dict[Medium, list[BlockHash]] = {m: [] for m in MEDIUM_BIT}
-        for entry in self._entries.values():
+        for mask, hashes in self._entries.values():
             for medium, bit in MEDIUM_BIT.items():
-                if entry.mask & bit:
-                    by_medium[medium].extend(entry.hashes)
+                if mask & bit:
+                    by_medium[medium].extend(hashes)
         return [StoreOp(m, tuple(h)) for m, h in by_medium.items() if h]
 
     def _representable(self, event: BlockStored) -> bool:
@@ -170,7 +168,7 @@ class EngineHashMap:
             if parent_entry is None:
                 self.stats.unresolved += n
                 return None
-            parent = parent_entry.hashes[-1]
+            parent = parent_entry[1][-1]
         ours = self._hasher.hash_tokens(
             event.token_ids, parent=parent, first_block_index=0 if parent is None else 1
         )
@@ -180,11 +178,7 @@ class EngineHashMap:
         for i, engine_hash in enumerate(event.block_hashes):
             mine = tuple(ours[i * per : (i + 1) * per])
             entry = entries.get(engine_hash)
-            if entry is None:
-                entries[engine_hash] = _Entry(mine, bit)
-            else:
-                entry.hashes = mine
-                entry.mask |= bit
+            entries[engine_hash] = (bit if entry is None else entry[0] | bit, mine)
         self.stats.stored += n
         return StoreOp(medium, tuple(ours))
 
@@ -197,12 +191,14 @@ class EngineHashMap:
         gone: list[BlockHash] = []
         for engine_hash in event.block_hashes:
             entry = self._entries.get(engine_hash)
-            if entry is None or not entry.mask & bit:
+            if entry is None or not entry[0] & bit:
                 self.stats.unresolved += 1
                 continue
-            entry.mask &= ~bit
-            gone.extend(entry.hashes)
-            if not entry.mask:
+            mask, hashes = entry[0] & ~bit, entry[1]
+            gone.extend(hashes)
+            if mask:
+                self._entries[engine_hash] = (mask, hashes)
+            else:
                 del self._entries[engine_hash]
             self.stats.removed += 1
         return RemoveOp(medium, tuple(gone)) if gone else None

@@ -6,7 +6,7 @@ state). Both implementations pass one contract test suite.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NewType, Protocol
 
@@ -49,8 +49,15 @@ class ResidencyIndex(Protocol):
         """
         ...
 
-    async def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, Match]:
-        """Per node with a non-empty match, the contiguous prefix it holds of ``hashes``."""
+    async def match(
+        self, hashes: Sequence[BlockHash], among: Collection[NodeId] | None = None
+    ) -> dict[NodeId, Match]:
+        """Per node with a non-empty match, the contiguous prefix it holds of ``hashes``.
+
+        ``among``: only these nodes (a decision's candidates; None: every node). Filtering
+        first lets the walk stop as soon as no candidate holds a block, so its cost follows
+        the candidates, not the nodes the index knows.
+        """
         ...
 
     async def predict(self, node: NodeId, hashes: Sequence[BlockHash], ttl_s: float) -> None:

@@ -10,11 +10,15 @@ Load it with::
 (``kvtier`` importable in vLLM's interpreter; ``KVTIER_P2P_SECRET`` in its environment on any
 non-loopback network). pdproxy's ``p2p`` dialect drives it unchanged: producer legs carry
 ``{"remote_decoder": {"kv_request_id": K}}``, consumer legs ``{"remote_prefiller": {"kv_request_id":
-K, "remote_host": H, "remote_port": P, "remote_engine_id": E}}``.
+K, "remote_host": H, "remote_port": P, "remote_engine_id": E}}``. A request with
+``{"remote_kv_source": {"remote_host": H, "remote_port": P, "remote_engine_id": E}}`` pulls the
+blocks that node holds in its kvtier host pages (:mod:`kvtier.vllm.offers`).
 
 vLLM builds two instances of this class per engine, and the split is vLLM's:
 
-- role ``SCHEDULER`` (engine-core process, scheduler thread) → :class:`KvtierScheduler`;
+- role ``SCHEDULER`` (engine-core process, scheduler thread) → :class:`KvtierScheduler`, and
+  on a consumer an :class:`OfferDesk` whose own network thread (``kvtier-offers``) runs the
+  offers of ``remote_kv_source`` legs (the scheduler thread only polls them);
 - role ``WORKER`` (each worker process, model-runner thread) → :class:`KvtierWorker`, built in
   :meth:`KvtierConnector.register_kv_caches` once vLLM has allocated the KV cache.
 
@@ -25,11 +29,14 @@ the network, and none may raise for a transfer failure — failures become recom
 scheduler side                  called by the scheduler
 ==============================  ==========================================================
 ``on_new_request``              ``add_request``: parse the leg
-``get_num_new_matched_tokens``  admission, possibly several times: side-effect free
+``get_num_new_matched_tokens``  admission, possibly several times: side-effect free (but
+                                a ``remote_kv_source`` leg's first ask starts its offer and
+                                answers ``None``, "ask again next step", until it ends)
 ``update_state_after_alloc``    after blocks are allocated for an admitted request
 ``build_connector_meta``        end of ``schedule()``: the step's saves/loads/releases
 ``update_connector_output``     ``update_from_output``: finished loads
 ``request_finished``            once per request, before its blocks are freed
+``shutdown``                    engine shutdown: release offers nobody fetched
 ==============================  ==========================================================
 
 ==============================  ==========================================================
@@ -70,8 +77,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.p2p.client import P2PClient
+from kvtier.p2p.handshake import LocalIdentity
+from kvtier.p2p.layout import LayoutFingerprint
 from kvtier.vllm.errors import KvtierConnectorConfigError
+from kvtier.vllm.layout import fingerprint_from_config
+from kvtier.vllm.loop import NetworkThread
 from kvtier.vllm.metadata import KvtierConnectorMetadata
+from kvtier.vllm.offers import NoPages, OfferDesk
 from kvtier.vllm.scheduler import KvtierScheduler
 from kvtier.vllm.settings import KvtierConnectorSettings
 from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
@@ -87,6 +100,35 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+_OFFER_CLOSE_TIMEOUT_S = 2.0
+
+
+def _open_offer_desk(
+    settings: KvtierConnectorSettings, engine_id: str, fingerprint: LayoutFingerprint
+) -> OfferDesk:
+    """The scheduler side's offers: a P2P client (no pages: it only offers and releases) on
+    its own network thread in the engine-core process."""
+    p2p = settings.p2p_settings()
+    client = P2PClient(p2p, LocalIdentity.from_settings(engine_id, fingerprint, p2p), NoPages())
+    net = NetworkThread("kvtier-offers")
+    net.start()
+
+    def stop() -> None:
+        try:
+            net.run(client.close(), _OFFER_CLOSE_TIMEOUT_S)
+        except Exception as exc:  # shutdown goes on whatever the loop did
+            logger.warning("kvtier offers: client not closed: %r", exc)
+        net.stop(_OFFER_CLOSE_TIMEOUT_S)
+
+    return OfferDesk(
+        client,
+        net,
+        offer_timeout_s=settings.offer_timeout_s,
+        release_timeout_s=p2p.connect_timeout_s,
+        on_close=stop,
+    )
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -127,6 +169,7 @@ class KvtierConnector(KVConnectorBase_V1):
         served = vllm_config.model_config.served_model_name
         default_seed = served if isinstance(served, str) else vllm_config.model_config.model
         self.hash_seed = self.settings.hash_seed or f"vllm/{default_seed}"
+        self.fingerprint = fingerprint_from_config(self.hash_seed, self.block_size, kv_cache_config)
         self._scheduler: KvtierScheduler | None = None
         self._worker: KvtierWorker | None = None
         self._load_errors: set[int] = set()
@@ -138,6 +181,9 @@ class KvtierConnector(KVConnectorBase_V1):
                 hash_seed=self.hash_seed,
                 produces=self.produces,
                 consumes=self.consumes,
+                offers=_open_offer_desk(self.settings, self.engine_id, self.fingerprint)
+                if self.consumes
+                else None,
             )
 
     # -- worker side ---------------------------------------------------------------------------
@@ -155,6 +201,11 @@ class KvtierConnector(KVConnectorBase_V1):
             produces=self.produces,
             consumes=self.consumes,
         )
+        mismatch = self._worker.fingerprint.mismatch(self.fingerprint)
+        if mismatch is not None:  # the scheduler's offers would be refused by every holder
+            raise KvtierConnectorConfigError(
+                f"the KV cache tensors disagree with vLLM's KV-cache spec: {mismatch}"
+            )
 
     def _meta(self) -> KvtierConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -206,6 +257,8 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+        if self._scheduler is not None and self._scheduler.offers is not None:
+            self._scheduler.offers.close(_OFFER_CLOSE_TIMEOUT_S)
 
     # -- scheduler side ------------------------------------------------------------------------
 

@@ -14,13 +14,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """A producer leg whose prompt is complete after this step: supply every full block.
+    """A producer leg whose prompt is complete after this step: supply every full block (or,
+    with ``kv_request_id`` None, a request under ``offload_prompts``: store them in host pages).
 
     ``block_hashes[i]`` is kvtier's hash of prompt block ``i``; ``block_ids[i]`` the vLLM KV
     block holding it (prefix-cache hits included: they are in the block table too)."""
 
     req_id: str
-    kv_request_id: str
+    kv_request_id: str | None
     num_tokens: int
     block_hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]

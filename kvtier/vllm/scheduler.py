@@ -2,8 +2,10 @@
 
 Runs in vLLM's engine-core process, on the scheduler's thread (every method below is called by
 ``vllm.v1.core.sched.scheduler.Scheduler`` while it holds no lock of ours: none exists, the
-scheduler is single-threaded). Nothing here touches KV memory, the network or a clock-driven
-wait: each method returns at once, and the worker side does the moving.
+scheduler is single-threaded). Nothing here touches KV memory or waits: each method returns at
+once, and the worker side does the moving. The only network use is the offers of
+``remote_kv_source`` legs, which run on the :class:`~kvtier.vllm.offers.OfferDesk`'s own thread
+and are polled from here.
 
 Legs (``kv_transfer_params``, parsed by :func:`kvtier.worker.kv_params.parse_leg`):
 
@@ -16,6 +18,17 @@ Legs (``kv_transfer_params``, parsed by :func:`kvtier.worker.kv_params.parse_leg
   producer's full prompt blocks past the consumer's own prefix-cache hit, loaded asynchronously;
   :meth:`update_state_after_alloc` turns the allocated blocks into a fetch for the worker. A leg
   with nothing to fetch (short prompt, local hit) releases the producer's supply instead.
+- ``remote_kv_source`` leg (``{"remote_kv_source": {"remote_host", "remote_port",
+  "remote_engine_id"}}``, see :mod:`kvtier.vllm.offers`): :meth:`get_num_new_matched_tokens`
+  starts an offer of the prompt's block keys to the holder on the scheduler process's network
+  thread and answers ``(None, False)`` ("ask again next step") until the holder has answered;
+  then the held run past the local hit, loaded asynchronously under the holder's fresh
+  ``kv_request_id`` by the same worker fetch as a consumer leg. It may come with a producer leg
+  (the pulled blocks are then supplied too); with a consumer leg the params are malformed
+  (``kvtier.worker.kv_params`` parses the leg) and the request runs plainly.
+- any other request, under ``offload_prompts``: its full prompt blocks go to the worker's host
+  pages in the step that completes the prompt (a save without a supply), so this node can
+  answer offers for prompts it computed alone.
 """
 
 from __future__ import annotations
@@ -26,10 +39,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
-from kvtier.keys import BlockHash, BlockHasher
+from kvtier.keys import BlockHash, BlockHasher, offload_key
 from kvtier.vllm.metadata import KvtierConnectorMetadata, LoadSpec, ReleaseSpec, SaveSpec
+from kvtier.vllm.offers import OfferDesk, tokens_to_load
 from kvtier.vllm.settings import KvtierConnectorSettings
-from kvtier.worker.kv_params import ConsumerLeg, ProducerLeg, parse_leg, producer_answer
+from kvtier.worker.kv_params import (
+    ConsumerLeg,
+    KvSource,
+    Leg,
+    ProducerLeg,
+    parse_leg,
+    producer_answer,
+    pull_source,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -42,8 +64,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Producer:
+    """A request whose prompt blocks go to host pages once computed: a producer leg's supply,
+    or (``leg`` None) a plain request under ``offload_prompts``."""
+
     request: Request
-    leg: ProducerLeg
+    leg: ProducerLeg | None
     num_blocks: int = 0
     saved: bool = False
 
@@ -60,8 +85,12 @@ class KvtierScheduler:
         hash_seed: str,
         produces: bool,
         consumes: bool,
+        offers: OfferDesk | None = None,
     ) -> None:
         self.settings = settings
+        self._kv_source_peers = settings.kv_source_peers()
+        self.offers = offers
+        """Offers of ``remote_kv_source`` legs (None: such legs run plainly)."""
         self.engine_id = engine_id
         self.block_size = block_size
         self.hasher = BlockHasher(hash_seed, block_size)
@@ -70,6 +99,7 @@ class KvtierScheduler:
         self._kv_cache_manager: KVCacheManager | None = None
         self._producers: dict[str, _Producer] = {}
         self._consumers: dict[str, ConsumerLeg] = {}
+        self._sources: dict[str, KvSource] = {}
         self._tried: set[str] = set()
         """Consumer legs whose load was planned once: never again (a failed load recomputes)."""
         self._loading: set[str] = set()
@@ -87,19 +117,38 @@ class KvtierScheduler:
         """``Scheduler.add_request``: parse the leg once; malformed params run the request
         plainly (logged)."""
         leg = self._parse(request)
+        source = self._allowed(request.request_id, pull_source(leg))
+        if source is not None:
+            if self.offers is not None:
+                self._sources[request.request_id] = source
+            else:
+                logger.warning(
+                    "request %s: remote_kv_source on a connector that does not consume; "
+                    "it computes the prompt itself",
+                    request.request_id,
+                )
         if isinstance(leg, ProducerLeg) and self.produces:
             self._producers[request.request_id] = _Producer(request, leg)
         elif isinstance(leg, ConsumerLeg) and self.consumes:
             self._consumers[request.request_id] = leg
-        elif leg is not None:
+        elif isinstance(leg, ProducerLeg | ConsumerLeg):
             logger.warning(
                 "request %s: a %s leg on a connector that does not %s; it runs plainly",
                 request.request_id,
                 "producer" if isinstance(leg, ProducerLeg) else "consumer",
                 "produce" if isinstance(leg, ProducerLeg) else "consume",
             )
+        if (
+            self.settings.offload_prompts
+            and self.produces
+            and request.prompt_token_ids
+            and request.request_id not in self._producers
+        ):
+            # Any other request (a consumer leg's fetched blocks are in host pages already:
+            # they cascade without a copy) stores its prompt once computed.
+            self._producers[request.request_id] = _Producer(request, None)
 
-    def _parse(self, request: Request) -> ProducerLeg | ConsumerLeg | None:
+    def _parse(self, request: Request) -> Leg | None:
         params = request.kv_transfer_params
         if not isinstance(params, Mapping) or request.prompt_token_ids is None:
             return None
@@ -109,19 +158,58 @@ class KvtierScheduler:
             logger.warning("request %s: kv_transfer_params ignored: %s", request.request_id, exc)
             return None
 
+    def _allowed(self, req_id: str, source: KvSource | None) -> KvSource | None:
+        """``source`` if ``kv_source_allowed_peers`` lets this engine connect to it."""
+        if source is None or self._kv_source_peers.allows(source.remote_host, source.remote_port):
+            return source
+        logger.warning(
+            "request %s: remote_kv_source %s:%d is not in kv_source_allowed_peers; the prompt "
+            "is computed here",
+            req_id,
+            source.remote_host[:64],
+            source.remote_port,
+        )
+        return None
+
     def _hashes(self, request: Request) -> list[BlockHash]:
         assert request.prompt_token_ids is not None
         return self.hasher.hash_tokens(request.prompt_token_ids, cache_salt=request.cache_salt)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Tokens the producer supplies beyond the local hit ``num_computed_tokens`` (block
-        aligned), loaded asynchronously. Side-effect free (vLLM may ask several times)."""
-        leg = self._consumers.get(request.request_id)
-        if leg is None or request.request_id in self._tried:
+        aligned), loaded asynchronously. Side-effect free (vLLM may ask several times), but for
+        a ``remote_kv_source`` leg's first ask, which starts its offer (then ``None``: "not
+        known yet", until the holder answered or the offer's deadline passed)."""
+        req_id = request.request_id
+        if req_id in self._tried:
+            return 0, False
+        source = self._sources.get(req_id)
+        if source is not None:
+            return self._held_tokens(request, source, num_computed_tokens)
+        if req_id not in self._consumers:
             return 0, False
         count = self._supply_end(request) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def _held_tokens(
+        self, request: Request, source: KvSource, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.offers is not None
+        num_full_blocks = self._supply_end(request) // self.block_size
+        if num_full_blocks * self.block_size <= num_computed_tokens:
+            return 0, False  # the local hit covers every block a holder could have
+        keys = [offload_key(h, 0) for h in self._hashes(request)[:num_full_blocks]]
+        offer = self.offers.ask(request.request_id, source, keys)
+        if offer is None:
+            return None, False
+        count = tokens_to_load(
+            offer,
+            num_computed_tokens=num_computed_tokens,
+            num_full_blocks=num_full_blocks,
+            block_size=self.block_size,
+        )
         return (count, True) if count > 0 else (0, False)
 
     def _supply_end(self, request: Request) -> int:
@@ -134,34 +222,54 @@ class KvtierScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Blocks are allocated: plan the fetch of the external range (or the release)."""
-        leg = self._consumers.get(request.request_id)
-        if leg is None or request.request_id in self._tried:
+        req_id = request.request_id
+        if req_id in self._tried:
             return
-        self._tried.add(request.request_id)
-        if num_external_tokens <= 0:
-            self._releases.append(
-                ReleaseSpec(
-                    leg.kv_request_id, leg.remote_host, leg.remote_port, leg.remote_engine_id
-                )
-            )
-            return
+        leg = self._consumers.get(req_id)
+        source = self._sources.get(req_id)
+        # The external range ends where get_num_new_matched_tokens said it does (vLLM starts
+        # it at the local hit; the request's num_computed_tokens is set only after this call).
         end = self._supply_end(request) // self.block_size
+        if leg is not None:
+            self._tried.add(req_id)
+            supply = ReleaseSpec(
+                leg.kv_request_id, leg.remote_host, leg.remote_port, leg.remote_engine_id
+            )
+        elif source is not None and self.offers is not None:
+            offer = self.offers.claim(req_id)  # the pinned supply is ours from here on
+            if offer is None:
+                return  # admitted without asking (the local hit covered the prompt)
+            self._tried.add(req_id)
+            if offer.kv_request_id is None:
+                return
+            end = min(end, offer.num_held)
+            supply = ReleaseSpec(
+                offer.kv_request_id,
+                source.remote_host,
+                source.remote_port,
+                source.remote_engine_id,
+            )
+        else:
+            return
+        if num_external_tokens <= 0:
+            self._releases.append(supply)
+            return
         first = end - num_external_tokens // self.block_size
         hashes = self._hashes(request)[first:end]
         block_ids = blocks.get_block_ids()[0][first:end]
         self._loads.append(
             LoadSpec(
-                request.request_id,
-                leg.kv_request_id,
-                leg.remote_host,
-                leg.remote_port,
-                leg.remote_engine_id,
+                req_id,
+                supply.kv_request_id,
+                supply.remote_host,
+                supply.remote_port,
+                supply.remote_engine_id,
                 first,
                 tuple(hashes),
                 tuple(block_ids),
             )
         )
-        self._loading.add(request.request_id)
+        self._loading.add(req_id)
 
     # -- each step ------------------------------------------------------------------------------
 
@@ -189,7 +297,7 @@ class KvtierScheduler:
             meta.saves.append(
                 SaveSpec(
                     req_id,
-                    producer.leg.kv_request_id,
+                    None if producer.leg is None else producer.leg.kv_request_id,
                     request.num_prompt_tokens,
                     tuple(hashes),
                     tuple(block_ids),
@@ -217,11 +325,18 @@ class KvtierScheduler:
                     leg.kv_request_id, leg.remote_host, leg.remote_port, leg.remote_engine_id
                 )
             )
+        if self._sources.pop(req_id, None) is not None and self.offers is not None:
+            self.offers.drop(req_id)  # an offer never claimed: release what the holder pinned
         self._tried.discard(req_id)
         producer = self._producers.pop(req_id, None)
         if req_id in self._loading:
             return True, None
-        if producer is None or not producer.saved or not _finished_normally(request):
+        if (
+            producer is None
+            or producer.leg is None
+            or not producer.saved
+            or not _finished_normally(request)
+        ):
             return False, None
         answer = producer_answer(
             producer.leg,

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvtier.p2p.settings import P2PSettings
 from kvtier.vllm.errors import KvtierConnectorConfigError
+from kvtier.worker.peers import PeerAllowlist
 
 
 class KvtierConnectorSettings(BaseModel):
@@ -40,6 +41,20 @@ class KvtierConnectorSettings(BaseModel):
     prompt is then recomputed."""
     lease_s: float = Field(default=30.0, gt=0)
     """A producer keeps a supply this long after its leg ended unless the consumer says done."""
+    offload_prompts: bool = False
+    """Copy every request's full prompt blocks into host pages in the step that completes its
+    prompt (only blocks the host pages lack; the pool's LRU bounds it), so this node can answer
+    ``remote_kv_source`` offers for prompts it computed without a producer leg. Costs one copy
+    per new block on the engine thread (``vllm:kvtier_offload_seconds_total``). Producer-only
+    setting: it needs the P2P server."""
+    kv_source_allowed_peers: list[str] = Field(default_factory=list)
+    """Holders a ``remote_kv_source`` leg may make this engine connect to (the leg comes from
+    whoever can send requests to vLLM): entries as ``kvtier.worker.peers`` reads them (``host``,
+    ``host:port``, ``10.0.0.0/8``, ``*`` for any); empty (the default): loopback only. A leg
+    naming any other holder computes its prompt itself (logged)."""
+    offer_timeout_s: float = Field(default=2.0, gt=0)
+    """A ``remote_kv_source`` leg waits this long for the holder's answer to its offer (the
+    request stays queued meanwhile); past it, the request computes its prompt itself."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None) -> KvtierConnectorSettings:
@@ -48,6 +63,14 @@ class KvtierConnectorSettings(BaseModel):
             return cls.model_validate(dict(extra or {}))
         except ValidationError as exc:
             raise KvtierConnectorConfigError(f"kv_connector_extra_config: {exc}") from exc
+
+    @model_validator(mode="after")
+    def _peers_parse(self) -> KvtierConnectorSettings:
+        PeerAllowlist.parse(self.kv_source_allowed_peers)  # ValueError names a bad entry
+        return self
+
+    def kv_source_peers(self) -> PeerAllowlist:
+        return PeerAllowlist.parse(self.kv_source_allowed_peers)
 
     @property
     def advertised_host(self) -> str:

@@ -17,6 +17,10 @@ Exposed on vLLM's ``/metrics`` (each with vLLM's ``engine``/``model_name`` label
 - ``vllm:kvtier_blocks_loaded_total``: blocks installed into vLLM's KV cache;
   ``vllm:kvtier_blocks_recomputed_total``: blocks of a planned load that vLLM recomputes (a
   short or failed fetch); ``vllm:kvtier_fetch_failures_total``: fetches that fell short;
+- ``vllm:kvtier_blocks_offloaded_total``, ``vllm:kvtier_offload_seconds_total``: prompt blocks
+  copied into host pages under ``offload_prompts``, and the engine thread's time doing it;
+- ``vllm:kvtier_offers_answered_total``, ``vllm:kvtier_blocks_offered_total``: a holder's
+  answers to ``remote_kv_source`` offers, and the host pages it pinned for them;
 - gauges ``vllm:kvtier_supplies``, ``vllm:kvtier_supply_pages``,
   ``vllm:kvtier_host_referenced_pages``, ``vllm:kvtier_loads_in_flight``,
   ``vllm:kvtier_network_tasks``: zero (or the P2P server's own tasks) when idle, else a leak.
@@ -45,6 +49,10 @@ COUNTERS: dict[str, str] = {
     "blocks_loaded": "Blocks installed into vLLM's KV cache from host pages.",
     "blocks_recomputed": "Blocks of planned loads left to vLLM to recompute.",
     "fetch_failures": "Fetches that fell short (the rest of the prompt is recomputed).",
+    "blocks_offloaded": "Prompt blocks copied into host pages under offload_prompts.",
+    "offload_seconds": "Engine-thread seconds spent on offload_prompts copies, summed.",
+    "offers_answered": "remote_kv_source offers this holder answered (any number held).",
+    "blocks_offered": "Host pages this holder pinned for remote_kv_source offers.",
 }
 GAUGES: dict[str, str] = {
     "supplies": "kv_request_ids with supply held by this producer.",

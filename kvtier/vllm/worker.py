@@ -13,7 +13,8 @@ Threads:
   network: a fetch runs on the network thread and is polled here; copies between vLLM's KV
   cache and host pages happen only here, so no forward pass races them.
 - the **network thread** (:class:`NetworkThread`) runs the P2P server (serving supplies,
-  expiring leases) and the consumer's fetches, which write only host pages that are not yet
+  answering ``remote_kv_source`` offers from the host pool, expiring leases) and the
+  consumer's fetches, which write only host pages that are not yet
   readable (the pool's WRITING state) until verified.
 
 The pool, manager and supply registry are thread-safe; nothing else is shared.
@@ -39,13 +40,14 @@ from kvtier.offload.types import ReqContext, RequestId
 from kvtier.offload.window import ChunkLayout, GroupSpec
 from kvtier.p2p.client import FetchResult, P2PClient
 from kvtier.p2p.handshake import LocalIdentity
-from kvtier.p2p.layout import LayoutFingerprint
+from kvtier.p2p.offer import PoolHoldings
 from kvtier.p2p.pool_pages import PoolSink
 from kvtier.p2p.server import P2PServer
 from kvtier.p2p.supply import SupplyRegistry
 from kvtier.p2p.tier import P2PTier
 from kvtier.pages import HostPages
 from kvtier.vllm.copies import LayeredBlockCopier
+from kvtier.vllm.layout import fingerprint_from_layers
 from kvtier.vllm.loop import NetworkThread
 from kvtier.vllm.metadata import LoadSpec, ReleaseSpec, SaveSpec
 from kvtier.vllm.settings import KvtierConnectorSettings
@@ -100,22 +102,25 @@ class KvtierWorker:
     ) -> None:
         self.settings = settings
         self.engine_id = engine_id
-        block_nbytes = layers[0].numel() // layers[0].shape[0] * layers[0].element_size()
-        page_nbytes = block_nbytes * len(layers)
+        self.fingerprint = fingerprint_from_layers(hash_seed, block_size, layers)
+        page_nbytes = self.fingerprint.page_bytes[0]
         self.host = HostPages(settings.host_pages, page_nbytes)
         self.pool = HostPagePool(self.host)
         self.copier = LayeredBlockCopier(layers, self.host)
         self.layout = ChunkLayout(block_size, 1, (GroupSpec(_GROUP),))
-        self.fingerprint = LayoutFingerprint(
-            hash_seed, block_size, str(layers[0].dtype), (page_nbytes,)
-        )
         p2p = settings.p2p_settings()
         self.p2p = p2p
         self.registry = SupplyRegistry(p2p.lease_s, released_memory=p2p.released_memory)
         self.tier = P2PTier(self.pool, self.registry, self.fingerprint)
         self.manager = TieringManager(self.pool, [self.tier])
         self.identity = LocalIdentity.from_settings(engine_id, self.fingerprint, p2p)
-        self.server = P2PServer(p2p, self.identity, self.registry) if produces else None
+        # Any node with a server is also a holder: it answers remote_kv_source offers from
+        # its host pages (blocks only in vLLM's KV cache cannot be offered, see the README).
+        self.server = (
+            P2PServer(p2p, self.identity, self.registry, holdings=PoolHoldings(self.tier))
+            if produces
+            else None
+        )
         self.client = P2PClient(p2p, self.identity, PoolSink(self.pool)) if consumes else None
         self.net = NetworkThread("kvtier-p2p")
         self._loads: dict[str, _Load] = {}
@@ -155,12 +160,15 @@ class KvtierWorker:
         """Supply every full block of a producer leg under its kv_request_id: blocks the host
         tier holds cascade without a copy, blocks being written elsewhere are parked, the rest
         are copied from vLLM's KV cache now. Returns when the supply is registered and finished
-        (demand for anything else then fails at once).
+        (demand for anything else then fails at once). Without a kv_request_id
+        (``offload_prompts``), only copies the blocks the host pages lack.
 
         Called by ``KvtierConnector.wait_for_save`` on the engine thread, after the forward pass
         of the step that completed the prompt and before that step's output leaves the worker
         (so the supply exists before the producer answers). Must not wait on the network."""
-        params = {"remote_decoder": {"kv_request_id": spec.kv_request_id}}
+        supplying = spec.kv_request_id is not None
+        params = {"remote_decoder": {"kv_request_id": spec.kv_request_id}} if supplying else {}
+        started = time.perf_counter()
         rid = RequestId(f"producer:{spec.req_id}:{uuid.uuid4().hex[:8]}")
         ctx = ReqContext(rid, params)
         self.manager.on_new_request(ctx)
@@ -183,8 +191,13 @@ class KvtierWorker:
                 ok = False
                 logger.exception("request %s: KV→host copy failed: %s", spec.req_id, exc)
             self.manager.complete_store(out.keys_to_store, ctx, ok)
-            self._count("blocks_supplied", len(plan.keys) + len(plan.cascade_only))
-            self._count("blocks_stored", len(out.keys_to_store) if ok else 0)
+            copied = len(out.keys_to_store) if ok else 0
+            if supplying:
+                self._count("blocks_supplied", len(plan.keys) + len(plan.cascade_only))
+                self._count("blocks_stored", copied)
+            else:
+                self._count("blocks_offloaded", copied)
+                self._count("offload_seconds", time.perf_counter() - started)
         finally:
             self.manager.on_request_finished(ctx)
 
@@ -319,6 +332,11 @@ class KvtierWorker:
         Called by ``KvtierConnector.get_kv_connector_stats`` on the engine thread each step;
         waits at most a fraction of a second for the network thread's task count."""
         c = self._counters
+        offers = self.server.offers if self.server is not None else None
+        if offers is not None:  # the holder desk keeps totals; report them as deltas too
+            answered = offers.stats()
+            c.values["offers_answered"] = float(answered.offers_total)
+            c.values["blocks_offered"] = float(answered.offered_keys_total)
         deltas = {k: v - c.reported[k] for k, v in c.values.items() if v != c.reported[k]}
         c.reported = dict(c.values)
         supply = self.registry.stats()

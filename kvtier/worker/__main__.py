@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,12 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "announce-curve-server-key-file": {"type": Path},
     "announce-interval-s": {"type": float},
     "announce-name": {},
+    "data-parallel-size": {"type": int, "help": "engines (DP ranks) behind this endpoint"},
+    "p2p-holder": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "answer P2P offers (remote_kv_source) from this node's KV, any role "
+        "(default: on; a consumer then listens on --p2p-port)",
+    },
 }
 
 
@@ -112,7 +119,15 @@ def main(argv: list[str] | None = None) -> None:
         f"http://{settings.host}:{settings.port}",
         flush=True,
     )
-    serve_worker(app, settings, log_level)
+    if serve_worker(app, settings, log_level):
+        # Stopped cleanly: the app's lifespan has closed everything the worker owns. What is
+        # left is the interpreter freeing torch's and every module's objects one by one, which
+        # took tens of seconds on a loaded machine, the process seemingly hung after "Finished
+        # server process" (past a supervisor's stop bound): skip it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ def worker_announcement(settings: WorkerSettings, p2p_port: int) -> Announcement
         dialect="p2p",
         events_endpoint=_reachable(settings.events_endpoint, shown),
         events_replay_endpoint=_reachable(settings.events_replay_endpoint, shown),
+        dp_size=settings.data_parallel_size,
     )
 
 
@@ -185,7 +186,8 @@ async def _until_listening(host: str, port: int) -> None:
     deadline = loop.time() + _LISTEN_WAIT_S
     while loop.time() < deadline:
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+            async with asyncio.timeout(1.0):  # wait_for (3.11) can drop a cancel here
+                _, writer = await asyncio.open_connection(host, port)
         except (OSError, TimeoutError):
             await asyncio.sleep(_RETRY_S)
             continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.worker.kv_params import ConsumerLeg, ProducerLeg
+from kvtier.worker.kv_params import ConsumerLeg, KvSource, ProducerLeg
 from kvtier.worker.request import EngineRequest, PromptKVHook
 
 
@@ -33,6 +33,12 @@ class KVConnector(Protocol):
     async def load_remote(self, req: EngineRequest, leg: ConsumerLeg) -> None:
         """Before ``req`` is submitted: fetch the prompt blocks the local cache lacks and install
         them into the prefix cache (pinned for ``req``); sets ``req.expected_remote_blocks``.
+        Never raises for transport failures and returns within the fetch deadline."""
+        ...
+
+    async def pull_remote(self, req: EngineRequest, source: KvSource) -> None:
+        """Before ``req`` is submitted: pull the prompt blocks the local cache lacks from the
+        holder ``source`` (``remote_kv_source``) and install them like :meth:`load_remote`.
         Never raises for transport failures and returns within the fetch deadline."""
         ...
 

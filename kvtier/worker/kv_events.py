@@ -16,7 +16,6 @@ a router never takes them for base-model blocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -25,6 +24,7 @@ from collections.abc import Callable, Sequence
 from kvtier.events import BlockRemoved, BlockStored, EventBatch, EventPublisher, KVEvent, Medium
 from kvtier.keys import BlockHash, split_offload_key
 from kvtier.offload.types import OffloadEvent
+from kvtier.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -195,14 +195,14 @@ class KVEventRelay:
             self.published_batches += 1
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-            try:
-                await self.flush()
-            except Exception:
-                logger.exception("final KV event flush failed")
-        if self.publisher is not None:
-            await self.publisher.close()
+        task, self._task = self._task, None
+        try:
+            await cancel_and_wait(task)
+        finally:
+            if task is not None:
+                try:
+                    await self.flush()
+                except Exception:
+                    logger.exception("final KV event flush failed")
+            if self.publisher is not None:
+                await self.publisher.close()

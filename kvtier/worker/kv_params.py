@@ -7,6 +7,15 @@ P2P dialect (kvtier):
   ``"remote_engine_id"`` from the answer when the proxy passes it on: the consumer then refuses
   to fetch from any other P2P node.
 
+Symmetric pull (vLLM P2P tier's ``remote_kv_source``; :mod:`kvtier.p2p.offer`):
+- ``{"remote_kv_source": {"remote_host", "remote_port", "remote_engine_id"?}}`` alone: a
+  :class:`PullLeg`, a plain request that first pulls the prefix blocks it lacks from that holder
+  (``remote_engine_id``: the holder's P2P node id; the handshake then refuses any other node);
+- with ``remote_decoder``: a :class:`ProducerLeg` whose ``source`` is pulled from first; it then
+  computes the rest and supplies everything under its ``kv_request_id`` as usual.
+- with ``remote_prefiller`` (or the NIXL fields): malformed (a consumer's KV comes from its
+  producer).
+
 NIXL-shaped dialect (vLLM NixlConnector, see ``shared/wire``):
 - producer leg ``{"do_remote_decode": true, ...}`` → answer ``{"do_remote_prefill": true,
   "do_remote_decode": false, "remote_engine_id", "remote_request_id", "remote_block_ids",
@@ -44,11 +53,23 @@ class Dialect(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class KvSource:
+    """A holder to pull prefix blocks from (``remote_kv_source``)."""
+
+    remote_host: str
+    remote_port: int
+    remote_engine_id: str | None = None
+    """The holder's node id (its P2P identity); None when the leg does not say."""
+
+
+@dataclass(frozen=True, slots=True)
 class ProducerLeg:
     """This request computes the prompt's KV and supplies it under ``kv_request_id``."""
 
     dialect: Dialect
     kv_request_id: str
+    source: KvSource | None = None
+    """Pull what this node lacks from this holder before computing (``remote_kv_source``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +85,19 @@ class ConsumerLeg:
     """The producer's node id (its P2P identity); None when the leg does not say."""
 
 
-Leg = ProducerLeg | ConsumerLeg
+@dataclass(frozen=True, slots=True)
+class PullLeg:
+    """A plain request that pulls the prefix blocks it lacks from ``source`` first."""
+
+    source: KvSource
+
+
+Leg = ProducerLeg | ConsumerLeg | PullLeg
+
+
+def pull_source(leg: Leg | None) -> KvSource | None:
+    """The holder ``leg`` pulls from first, if any."""
+    return leg.source if isinstance(leg, PullLeg | ProducerLeg) else None
 
 
 def shown(value: object) -> str:
@@ -113,11 +146,17 @@ def parse_leg(params: Mapping[str, object] | None, nixl_request_id: str) -> Leg 
     """
     if not params:
         return None
+    source = _source(params["remote_kv_source"]) if "remote_kv_source" in params else None
+    if source is not None and not set(params) <= {"remote_kv_source", "remote_decoder"}:
+        raise KVTransferParamsError("remote_kv_source goes alone or with remote_decoder")
     if "remote_decoder" in params:
         decoder = params["remote_decoder"]
         if not isinstance(decoder, Mapping):
             raise KVTransferParamsError("remote_decoder must be an object")
-        return ProducerLeg(Dialect.P2P, _text(decoder.get("kv_request_id"), "kv_request_id"))
+        kv_request_id = _text(decoder.get("kv_request_id"), "kv_request_id")
+        return ProducerLeg(Dialect.P2P, kv_request_id, source)
+    if source is not None:
+        return PullLeg(source)
     if "remote_prefiller" in params:
         pre = params["remote_prefiller"]
         if not isinstance(pre, Mapping):
@@ -148,6 +187,16 @@ def parse_leg(params: Mapping[str, object] | None, nixl_request_id: str) -> Leg 
         return None  # NIXL fields present, both false: a plain request
     raise KVTransferParamsError(
         f"unrecognised kv_transfer_params keys: {shown(', '.join(sorted(map(str, params))))}"
+    )
+
+
+def _source(value: object) -> KvSource:
+    if not isinstance(value, Mapping):
+        raise KVTransferParamsError("remote_kv_source must be an object")
+    return KvSource(
+        _text(value.get("remote_host"), "remote_kv_source.remote_host"),
+        _port(value.get("remote_port"), "remote_kv_source.remote_port"),
+        _optional_text(value.get("remote_engine_id"), "remote_kv_source.remote_engine_id"),
     )
 
 

@@ -13,7 +13,13 @@ load end still needs → :meth:`P2PClient.fetch` (skips keys the host tier holds
 the producer node the leg names, when it names one; verifies key and MAC under the session key
 before installing into host pages) → host→GPU copy into fresh device pages, which are
 registered in the prefix cache and pinned for the request. Admission then finds them as prefix
-hits; anything missing is simply recomputed (counted).
+hits; anything missing is simply recomputed (counted). :mod:`kvtier.worker.remote_prefix`.
+
+Symmetric pull (``remote_kv_source``, alone or on a producer leg, before admission): the same,
+with :meth:`P2PClient.pull` from the named holder (offer the keys the device lacks, fetch the run
+the holder pinned, done). Every worker is a holder too (``p2p_holder``, on by default, any
+role): its P2P server answers offers from its host pages and device blocks
+(:mod:`kvtier.worker.holder`).
 """
 
 from __future__ import annotations
@@ -22,17 +28,17 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.errors import KvtierError
-from kvtier.keys import BlockHash, OffloadKey, offload_key
+from kvtier.keys import OffloadKey, offload_key
 from kvtier.offload.pool import HostPagePool
 from kvtier.offload.scan import RequestChunks, plan_store
 from kvtier.offload.tiering import TieringManager
-from kvtier.offload.types import LookupResult, ReqContext, RequestId
-from kvtier.offload.window import AttentionKind, ChunkLayout, GroupSpec, needed_chunks
-from kvtier.p2p.client import P2PClient
+from kvtier.offload.types import ReqContext, RequestId
+from kvtier.offload.window import AttentionKind, ChunkLayout, GroupSpec
+from kvtier.p2p.client import FetchResult, P2PClient
 from kvtier.p2p.handshake import LocalIdentity
 from kvtier.p2p.layout import LayoutFingerprint
 from kvtier.p2p.pool_pages import PoolSink
@@ -43,8 +49,10 @@ from kvtier.p2p.tier import P2PTier
 from kvtier.pages import CopyDirection, DevicePages, HostPages, PageCopier
 from kvtier.worker.backends.base import NO_PAGE
 from kvtier.worker.connector import KVConnector, ProducerOutcome
+from kvtier.worker.holder import DeviceHoldings
 from kvtier.worker.kv_cache import KVCache
-from kvtier.worker.kv_params import ConsumerLeg, ProducerLeg, producer_answer
+from kvtier.worker.kv_params import ConsumerLeg, KvSource, ProducerLeg, producer_answer
+from kvtier.worker.remote_prefix import RemotePrefix
 from kvtier.worker.request import EngineRequest, PromptKV, PromptKVHook
 from kvtier.worker.worker import Worker
 
@@ -93,21 +101,33 @@ class P2PConnector(KVConnector):
                 "reach this producer (advertising 127.0.0.1 meanwhile)"
             )
             self.advertise_host = "127.0.0.1"
-        self.server = (
-            P2PServer(p2p, self.identity, self.registry)
-            if settings.role in ("producer", "both")
-            else None
-        )
-        self.client = (
-            P2PClient(p2p, self.identity, PoolSink(self.pool))
-            if settings.role in ("consumer", "both")
-            else None
-        )
         self.copiers = [
             PageCopier(DevicePages(p.storage), self.host, blocks_per_page=1) for p in self.kv.pools
         ]
+        # A holder answers offers (remote_kv_source) whatever its role: any node may hold a
+        # prefix another node wants. Consumer-only workers listen only to be holders.
+        holdings = (
+            DeviceHoldings(self.tier, self.pool, self.kv, self._copy)
+            if settings.p2p_holder
+            else None
+        )
+        self.server = (
+            P2PServer(p2p, self.identity, self.registry, holdings=holdings)
+            if settings.role in ("producer", "both") or holdings is not None
+            else None
+        )
+        # Every role can pull (a producer leg may carry remote_kv_source too).
+        self.client = P2PClient(p2p, self.identity, PoolSink(self.pool))
         self._copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-page-copy")
-        self._inflight: dict[OffloadKey, asyncio.Future[None]] = {}
+        self.remote = RemotePrefix(
+            kv=self.kv,
+            pool=self.pool,
+            manager=self.manager,
+            layout=self.layout,
+            copy_pages=self._copy,
+            events=worker.events,
+            fetch_timeout_s=settings.fetch_timeout_s,
+        )
         self._releases: set[asyncio.Task[None]] = set()
         worker.events.add_source(self.manager.take_events)
 
@@ -128,8 +148,7 @@ class P2PConnector(KVConnector):
         try:
             if self.server is not None:
                 await self.server.stop()
-            if self.client is not None:
-                await self.client.close()
+            await self.client.close()
         finally:
             self.registry.close()
             self.manager.close()
@@ -155,7 +174,7 @@ class P2PConnector(KVConnector):
     def producer_hook(
         self, leg: ProducerLeg, request_id: str, outcome: ProducerOutcome
     ) -> PromptKVHook | None:
-        if self.server is None:
+        if self.server is None or self.worker.settings.role == "consumer":
             self.stats.kv_params_fallbacks += 1
             logger.warning(
                 "request %s: producer leg on a %s-only worker runs plainly",
@@ -222,30 +241,17 @@ class P2PConnector(KVConnector):
 
     # -- consumer ------------------------------------------------------------------------------
     async def load_remote(self, req: EngineRequest, leg: ConsumerLeg) -> None:
-        bs = self.kv.block_size
-        hashes = req.hashes.hashes[: len(req.prompt_ids) // bs]
-        cap = self.kv.max_hit_blocks(len(req.prompt_ids), bs)
-        req.expected_remote_blocks = cap
-        if self.client is None:
+        req.expected_remote_blocks = self.kv.max_hit_blocks(len(req.prompt_ids), self.kv.block_size)
+        if self.worker.settings.role == "producer":
             self.stats.kv_params_fallbacks += 1
             logger.warning(
                 "request %s: consumer leg on a producer-only worker runs locally", req.request_id
             )
             return
-        local = self.kv.hit_blocks(hashes, cap)
-        if local >= cap:
-            await self._finish_remote(leg)
-            return
-        wanted = self._keys_for(hashes, cap, lambda g, b: self._on_device(hashes, g, b))
-        self.worker.events.remember(hashes, req.prompt_ids)
-        deadline = time.monotonic() + self.worker.settings.fetch_timeout_s
-        await self._await_inflight(wanted, deadline)
-        mine = [k for k in wanted if k not in self._inflight]
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        for key in mine:
-            self._inflight[key] = done
-        try:
-            result = await self.client.fetch(
+        client = self.client
+
+        async def fetch(wanted: list[OffloadKey], deadline: float) -> FetchResult:
+            return await client.fetch(
                 leg.remote_host,
                 leg.remote_port,
                 leg.kv_request_id,
@@ -253,11 +259,12 @@ class P2PConnector(KVConnector):
                 deadline,
                 expected_node_id=leg.remote_engine_id,
             )
-        finally:
-            for key in mine:
-                if self._inflight.get(key) is done:
-                    del self._inflight[key]
-            done.set_result(None)
+
+        results = await self.remote.bring(req, fetch)
+        if results is None:
+            await self._finish_remote(leg)
+            return
+        (result,) = results
         self.stats.p2p_bytes_fetched += result.nbytes
         self.stats.p2p_blocks_fetched += len(result.fetched)
         if result.reason is not None:
@@ -269,137 +276,83 @@ class P2PConnector(KVConnector):
                 leg.remote_port,
                 result.reason,
             )
-            self._release_in_background(leg)
+            self._release_in_background(
+                leg.remote_host, leg.remote_port, leg.kv_request_id, leg.remote_engine_id
+            )
 
-        def available(group: int, block: int) -> bool:
-            if self._on_device(hashes, group, block):
-                return True
-            return self.pool.lookup(offload_key(hashes[block], group)) is LookupResult.HIT
-
-        hit = self.kv.hit_blocks(hashes, cap, has=available)
-        await self._install(req, hashes, hit)
-
-    def _release_in_background(self, leg: ConsumerLeg) -> None:
-        """A fetch that fell short may end without its ``done`` (e.g. no free host page: the
-        session is dropped mid-stream). The rest is recomputed, so tell the producer to drop
-        the supply now rather than hold its pages until the lease ends. Off the request's path:
-        a dead producer must not delay the answer."""
+    async def pull_remote(self, req: EngineRequest, source: KvSource) -> None:
         client = self.client
-        if client is None:
+
+        async def pull(wanted: list[OffloadKey], deadline: float) -> FetchResult:
+            return await client.pull(
+                source.remote_host,
+                source.remote_port,
+                wanted,
+                expected_node_id=source.remote_engine_id,
+                deadline=deadline,
+            )
+
+        results = await self.remote.bring(req, pull, rounds=2)
+        if results is None:
+            return  # the device holds every block the prompt can reuse: nothing to ask for
+        self.stats.pull_requests += 1
+        for result in results:
+            self.stats.pull_bytes += result.nbytes
+            self.stats.pull_blocks += len(result.fetched)
+            if result.nbytes:  # what the router divides into bytes for its link speed
+                self.stats.pull_seconds += result.elapsed_s
+            if result.reason is not None and result.kv_request_id:
+                # The holder pinned a supply that may not have got its done.
+                self._release_in_background(
+                    source.remote_host,
+                    source.remote_port,
+                    result.kv_request_id,
+                    source.remote_engine_id,
+                )
+        first = results[0]
+        if first.reason is None:
             return
+        # A holder lacking the prompt's tail is the normal case, not a failure; transport,
+        # verification and deadline problems are.
+        if first.holder_short:
+            self.stats.pull_short += 1
+            logger.debug("request %s: %s", req.request_id, first.reason)
+            return
+        self.stats.pull_failures += 1
+        logger.warning(
+            "request %s: pull from %s:%d fell short (%s); recomputing the rest",
+            req.request_id,
+            source.remote_host,
+            source.remote_port,
+            first.reason,
+        )
+
+    def _release_in_background(
+        self, host: str, port: int, kv_request_id: str, node_id: str | None
+    ) -> None:
+        """A fetch that fell short may end without its ``done`` (e.g. no free host page: the
+        session is dropped mid-stream). The rest is recomputed, so tell the producer (or
+        holder) to drop the supply now rather than hold its pages until the lease ends. Off
+        the request's path: a dead peer must not delay the answer."""
+        client = self.client
         deadline = time.monotonic() + self.p2p.connect_timeout_s
 
         async def release() -> None:
-            await client.release(
-                leg.remote_host,
-                leg.remote_port,
-                leg.kv_request_id,
-                deadline,
-                expected_node_id=leg.remote_engine_id,
-            )
+            await client.release(host, port, kv_request_id, deadline, expected_node_id=node_id)
 
-        task = asyncio.create_task(release(), name=f"p2p-release {leg.kv_request_id}")
+        task = asyncio.create_task(release(), name=f"p2p-release {kv_request_id}")
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _await_inflight(self, keys: Sequence[OffloadKey], deadline: float) -> None:
-        """Wait (bounded by ``deadline``) for other requests' fetches of any of ``keys``: a
-        shared prefix is fetched once, and a concurrent fetch never races it for host pages."""
-        pending = {id(f): f for k in keys if (f := self._inflight.get(k)) is not None}
-        if not pending:
-            return
-        remaining = deadline - time.monotonic()
-        if remaining > 0:
-            await asyncio.wait(list(pending.values()), timeout=remaining)
-
     async def _finish_remote(self, leg: ConsumerLeg) -> None:
         """Nothing to fetch: tell the producer it may release the supply now."""
-        if self.client is not None:
-            await self.client.fetch(
-                leg.remote_host,
-                leg.remote_port,
-                leg.kv_request_id,
-                [],
-                expected_node_id=leg.remote_engine_id,
-            )
-
-    def _on_device(self, hashes: Sequence[BlockHash], group: int, block: int) -> bool:
-        return self.kv.pools[group].lookup(hashes[block]) is not None
-
-    def _keys_for(
-        self, hashes: Sequence[BlockHash], hit: int, present: Callable[[int, int], bool]
-    ) -> list[OffloadKey]:
-        """Keys of the blocks a hit of ``hit`` blocks reads that are not ``present``, in chunk
-        order (block by block, groups within a block), so a gap cuts only what follows it."""
-        wanted = [
-            (b, pool.spec.index)
-            for pool in self.kv.pools
-            for b in self._needed(pool.spec.index, hit)
-            if not present(pool.spec.index, b)
-        ]
-        return [offload_key(hashes[b], g) for b, g in sorted(wanted)]
-
-    def _needed(self, group: int, hit: int) -> range:
-        return needed_chunks(hit, self.layout.groups[group], self.layout)
-
-    async def _install(self, req: EngineRequest, hashes: Sequence[BlockHash], hit: int) -> None:
-        """Copy host pages of the hit's missing blocks into fresh device pages; pin them."""
-        ctx = ReqContext(RequestId(f"consumer:{req.request_id}:{uuid.uuid4().hex[:8]}"), None)
-        self.manager.on_new_request(ctx)
-        try:
-            for pool in self.kv.pools:
-                g = pool.spec.index
-                blocks = [b for b in self._needed(g, hit) if not self._on_device(hashes, g, b)]
-                keys = [offload_key(hashes[b], g) for b in blocks]
-                if not keys:
-                    continue
-                try:
-                    spec = self.manager.prepare_load(keys, ctx)
-                except KvtierError as exc:
-                    logger.warning(
-                        "request %s: host pages vanished before install: %s", req.request_id, exc
-                    )
-                    return
-                try:
-                    await self._install_group(req, g, hashes, blocks, spec.page_indices)
-                finally:
-                    self.manager.complete_load(keys, ctx)
-        finally:
-            self.manager.on_request_finished(ctx)
-
-    async def _install_group(
-        self,
-        req: EngineRequest,
-        group: int,
-        hashes: Sequence[BlockHash],
-        blocks: Sequence[int],
-        host_pages: Sequence[int],
-    ) -> None:
-        device_pages: list[int] = []
-        for _ in blocks:
-            page = self.kv.allocate_spare(group)
-            if page is None:
-                break
-            device_pages.append(page)
-            req.pinned.append((group, page))
-        n = len(device_pages)
-        if n < len(blocks):
-            logger.warning(
-                "request %s: no device page for %d fetched blocks of group %d",
-                req.request_id,
-                len(blocks) - n,
-                group,
-            )
-        try:
-            await self._copy(group, CopyDirection.HOST_TO_DEVICE, device_pages, host_pages[:n])
-        except KvtierError:
-            logger.exception("request %s: host→GPU copy failed", req.request_id)
-            return
-        bs = self.kv.block_size
-        for block, page in zip(blocks, device_pages, strict=False):
-            parent = hashes[block - 1] if block > 0 else None
-            tokens = req.prompt_ids[block * bs : (block + 1) * bs]
-            self.kv.register(group, page, hashes[block], parent, tokens)
+        await self.client.fetch(
+            leg.remote_host,
+            leg.remote_port,
+            leg.kv_request_id,
+            [],
+            expected_node_id=leg.remote_engine_id,
+        )
 
 
 def p2p_connector_factory(worker: Worker) -> KVConnector:

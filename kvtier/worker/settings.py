@@ -113,6 +113,15 @@ class WorkerSettings(BaseSettings):
     torch_threads: int = Field(default=0, description="0: leave torch's default")
     shutdown_timeout_s: float = Field(default=5.0, ge=0)
     """On SIGTERM/SIGINT, requests in flight get this long to finish before they are aborted."""
+    data_parallel_size: int = Field(default=1, ge=1, le=64)
+    """Engines (data-parallel ranks) behind this one HTTP endpoint, each with its own KV cache
+    and page pools; rank ``r`` serves P2P on ``p2p_port`` + ``r`` and publishes KV events on
+    the events (and replay) endpoint's port + ``r``, tagged with its rank (vLLM's layout; see
+    :mod:`kvtier.worker.ranks`)."""
+    p2p_holder: bool = True
+    """Answer P2P offers (symmetric pull: another node's ``remote_kv_source`` names this one)
+    from this node's host pages and device blocks, whatever its role: a consumer-only worker
+    then also listens on ``p2p_port`` (``--no-p2p-holder``: it does not)."""
 
     @field_validator("p2p_secret", "api_key")
     @classmethod

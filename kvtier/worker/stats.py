@@ -34,5 +34,18 @@ class EngineStats:
     """Requests refused with 401: no or a wrong bearer key."""
     oversized_bodies: int = 0
     """Requests refused with 413: a body over ``max_body_bytes``."""
+    pull_requests: int = 0
+    """Legs that asked a holder for prefix blocks they lacked (``remote_kv_source``)."""
+    pull_blocks: int = 0
+    """Blocks pulled from holders (installed in host pages, then on the device)."""
+    pull_bytes: int = 0
+    pull_failures: int = 0
+    """Pulls that ended short of the blocks the leg could use for a transport, verification or
+    deadline problem (holder unreachable, refused or broken off); the rest was recomputed."""
+    pull_short: int = 0
+    """Pulls whose holder held fewer blocks than asked (it lacks the tail; not a failure)."""
+    pull_seconds: float = 0.0
+    """Wall seconds of the pulls that moved bytes (offer, fetch and done): with ``pull_bytes``
+    the link speed the router learns from ``/metrics``."""
     latencies: TokenLatencies = field(default_factory=TokenLatencies)
     """Per-token latency histograms (exported as ``kvtier_worker_*_seconds``)."""

@@ -27,10 +27,23 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if t < BYTE_TOKENS).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
-        """``<|role|>\\ncontent\\n`` per message, then the assistant's header."""
+    def apply_chat_template(
+        self,
+        messages: Sequence[tuple[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """``<|role|>\\ncontent\\n`` per message, then the assistant's header.
+
+        ``continue_final_message`` (vLLM's extension): the last message is left open, its
+        content verbatim and unterminated, and no header follows, so generation continues it
+        (``prompt + generated`` renders as the uninterrupted prompt did, plus the text)."""
         parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
-        parts.append("<|assistant|>\n")
+        if continue_final_message and parts:
+            parts[-1] = parts[-1][:-1]
+        elif add_generation_prompt:
+            parts.append("<|assistant|>\n")
         return "".join(parts)
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from kvtier.events import EventPublisher
 from kvtier.events.curve import CurveServer, load_server
+from kvtier.tasks import cancel_and_wait
 from kvtier.worker.announce import Announcer, ServesP2P
 from kvtier.worker.build import build_engine
 from kvtier.worker.connector import KVConnector
@@ -28,9 +28,16 @@ class Worker:
     """One worker process's engine, kvtier connector and residency events."""
 
     def __init__(
-        self, settings: WorkerSettings, *, connector_factory: ConnectorFactory | None = None
+        self,
+        settings: WorkerSettings,
+        *,
+        connector_factory: ConnectorFactory | None = None,
+        data_parallel_rank: int | None = None,
     ) -> None:
+        """``data_parallel_rank``: this engine's rank when the worker runs several
+        (:mod:`kvtier.worker.ranks`); stamped on its KV event batches."""
         self.settings = settings
+        self.data_parallel_rank = data_parallel_rank
         self.stats = EngineStats()
         self.tokenizer = ByteTokenizer()
         self.loras = LoraAdapters(settings.model_name, settings.max_loras)
@@ -42,6 +49,7 @@ class Worker:
                 settings.events_endpoint,
                 settings.events_replay_endpoint,
                 curve=_event_keys(settings),
+                data_parallel_rank=data_parallel_rank,
             )
             if settings.events_endpoint
             else None
@@ -92,18 +100,17 @@ class Worker:
     async def close(self) -> None:
         if self.announcer is not None:
             await self.announcer.close()
-        if self._drain is not None:
-            self._drain.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._drain
         try:
-            await self.engine.close()
+            await cancel_and_wait(self._drain)
         finally:
             try:
-                if self.connector is not None:
-                    await self.connector.close()
+                await self.engine.close()
             finally:
-                await self.events.close()
+                try:
+                    if self.connector is not None:
+                        await self.connector.close()
+                finally:
+                    await self.events.close()
 
 
 def _event_keys(settings: WorkerSettings) -> CurveServer | None:

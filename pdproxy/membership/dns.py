@@ -20,7 +20,6 @@ An answer can at most put ``max_backends_per_group`` backends per group in the r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import ipaddress
 import logging
@@ -36,6 +35,7 @@ from dns.rdtypes.IN.AAAA import AAAA
 from dns.rdtypes.IN.SRV import SRV
 from prometheus_client import CollectorRegistry, Counter
 
+from kvtier.tasks import cancel_and_wait
 from pdproxy.membership.members import Membership
 from pdproxy.membership.settings import DnsDiscoverySettings, DnsGroup, nameserver_address
 from pdproxy.settings import BackendConfig, Dialect
@@ -77,10 +77,7 @@ class DnsDiscovery:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         while True:

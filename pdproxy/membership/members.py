@@ -15,7 +15,6 @@ by another source or owner, is a :class:`MemberConflict`, never replaced or drai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
+from kvtier.tasks import cancel_and_wait
 from pdproxy.backends import Backend, BackendRegistry
 from pdproxy.membership.errors import MemberConflict
 from pdproxy.membership.settings import MembershipSettings
@@ -217,10 +217,7 @@ class Membership:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         while True:

@@ -239,7 +239,9 @@ class RegistrationListener:
         role = _ROLES[announcement.kind]
         host, port = announcement.http_address.rsplit(":", 1)
         name = announcement.name or f"reg-{_UNSAFE.sub('-', host.strip('[]'))}-{port}"
-        kv_address = announcement.kv_address if role is not Role.CONSUMER else None
+        # Kept for every role: every worker is a P2P holder, and a consumer's address is where
+        # a pull (remote_kv_source) fetches from. It is never a producer's address: a consumer
+        # is never a producer candidate, and the hosts were checked like the others above.
         return BackendConfig(
             name=name[:64],
             url=f"http://{announcement.http_address}",
@@ -247,9 +249,10 @@ class RegistrationListener:
             dialect=Dialect(announcement.dialect or self._settings.dialect),
             api_key=self._settings.api_key,
             models=announcement.models,
-            kv_address=kv_address,
+            kv_address=announcement.kv_address,
             events_endpoint=announcement.events_endpoint,
             events_replay_endpoint=announcement.events_replay_endpoint,
+            data_parallel_size=announcement.dp_size,
         )
 
 

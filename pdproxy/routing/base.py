@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
 
 from pdproxy.errors import NoBackendAvailable
+from pdproxy.routing.pull_source import PullSource
 
 __all__ = [
     "BackendView",
@@ -71,6 +72,9 @@ class RouteRequest:
     """The client's parsed JSON body; read-only for routers."""
     body_bytes: int = 0
     """Size of the raw body: a cheap bound on everything a chat template can render."""
+    session: str | None = None
+    """The client's session, scoped by its key (:func:`pdproxy.routing.session.session_of`),
+    for session affinity; None: no session."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,13 @@ class RouteDecision(Generic[B]):
     """Tokens the router expects the chosen consumer to find cached (for drift telemetry)."""
     prompt_tokens: int | None = None
     route_time_s: float = 0.0
+    consumer_ranks: Mapping[str, int] = field(default_factory=dict)
+    """Data-parallel rank chosen on each consumer (by backend name); absent: the engine picks
+    (:mod:`pdproxy.dp_ranks`)."""
+    producer_ranks: Mapping[str, int] = field(default_factory=dict)
+    """The same for producers (a backend may be producer on one rank, consumer on another)."""
+    pull: PullSource | None = None
+    """Symmetric pull: the node that prefills pulls the prefix from this holder (p2p only)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 
 from pdproxy.errors import ConfigError
 from pdproxy.routing.base import B, RequestOutcome, RouteDecision, Router, RouteRequest
-from pdproxy.routing.factory import EventEndpoints
+from pdproxy.routing.factory import EventEndpoints, event_endpoints
 
 if TYPE_CHECKING:
     from pdproxy.backends import BackendRegistry
@@ -153,16 +153,14 @@ class ModelEventSource:
     """The backends serving one model, as the KV router's event feeds follow them (read
     afresh on every ``all()``: models learned later move subscriptions)."""
 
-    def __init__(self, registry: BackendRegistry, model: str) -> None:
+    def __init__(self, registry: BackendRegistry, model: str, *, ranks: bool = False) -> None:
         self._registry = registry
         self._model = model
+        self._ranks = ranks
 
     def all(self) -> list[EventEndpoints]:
-        return [
-            EventEndpoints(b.name, b.url, b.config.events_endpoint, b.config.events_replay_endpoint)
-            for b in self._registry.all()
-            if b.serves_model(self._model)
-        ]
+        serving = [b for b in self._registry.all() if b.serves_model(self._model)]
+        return event_endpoints(serving, ranks=self._ranks)
 
 
 def model_router_options(

@@ -28,6 +28,8 @@ def build_per_model_router(
     catalog: ModelCatalog,
     registry: BackendRegistry | None,
     metrics_registry: CollectorRegistry | None,
+    *,
+    ranks: bool = False,
 ) -> PerModelRouter:
     check_distinct_seeds(settings, catalog)
     view = RouterMetricsView()
@@ -44,7 +46,7 @@ def build_per_model_router(
         adapter = catalog.base_of(model) is not None
         router = build_kv_router(
             parse_settings(options),
-            backends=ModelEventSource(registry, model)
+            backends=ModelEventSource(registry, model, ranks=ranks)
             if registry is not None and not adapter
             else None,
             metrics_registry=own_metrics,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import secrets
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Any
 import yaml
 
 from kvtier.private_file import write_private_text
+from pdproxy.stack.ports import free_port
 from pdproxy.stack.process import ProcessSpec
 
 PortSource = Callable[[], int]
@@ -94,13 +94,6 @@ class StackPlan:
     def specs(self) -> tuple[ProcessSpec, ...]:
         """Workers first, proxy last (the supervisor stops in reverse: proxy first)."""
         return (*self.workers, self.proxy)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now (another process may still take it before we bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def model_name(model: WorkerModel) -> str:

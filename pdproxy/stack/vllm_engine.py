@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -57,34 +55,6 @@ KVTIER_CONNECTOR_MODULE = "kvtier.vllm.connector"
 
 PACKAGES_ROOT = Path(__file__).resolve().parents[2]
 """The directory holding ``pdproxy`` and ``kvtier`` (the repository, or site-packages)."""
-
-
-_FIXED_PORTS = range(20000, 32000)
-"""Below Linux's default ephemeral range (32768-60999): ports the OS hands out for ``bind(0)``."""
-
-
-def free_fixed_port(
-    host: str = "127.0.0.1", tries: int = 200, exclude: Collection[int] = ()
-) -> int:
-    """A free port for a listener that must be named before it binds (kvtier's P2P port: vLLM's
-    scheduler process advertises it, its worker process binds it ~a minute later).
-
-    A port from ``bind(0)`` lies in the ephemeral range, where vLLM's own ZMQ/UCX sockets and
-    every outgoing connection take ports meanwhile (a run failed with "address already in use"
-    that way); a free port below that range is taken only by another explicit choice."""
-    rng = random.Random()
-    for _ in range(tries):
-        port = rng.choice(_FIXED_PORTS)
-        if port in exclude:  # picked for another instance, not bound yet
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    first, last = _FIXED_PORTS.start, _FIXED_PORTS.stop - 1
-    raise OSError(f"no free port in {first}-{last} after {tries} tries")
 
 
 class VllmConnector(StrEnum):
@@ -188,11 +158,13 @@ def vllm_instance(
     connector: VllmConnector = VllmConnector.NIXL,
     p2p_port: int | None = None,
     p2p_secret: str | None = None,
+    kvtier_options: Mapping[str, object] | None = None,
 ) -> VllmInstance:
     """The command line of one instance; its event sockets are files in ``socket_dir``.
 
     ``connector=KVTIER`` needs ``p2p_port`` and ``p2p_secret`` for PD roles (and ignores
-    ``side_channel_port``)."""
+    ``side_channel_port``); ``kvtier_options`` are more ``kv_connector_extra_config`` keys
+    (e.g. ``{"offload_prompts": True}``)."""
     events = f"ipc://{socket_dir / f'{name}-events'}"
     replay = f"ipc://{socket_dir / f'{name}-replay'}"
     kv_events = {
@@ -226,7 +198,11 @@ def vllm_instance(
             # vLLM's default ("fail") fails a request whose KV load fell short; kvtier's contract
             # is to recompute from the first missing block.
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"p2p_host": "127.0.0.1", "p2p_port": p2p_port},
+            "kv_connector_extra_config": {
+                "p2p_host": "127.0.0.1",
+                "p2p_port": p2p_port,
+                **(kvtier_options or {}),
+            },
         }
         argv += ["--kv-transfer-config", json.dumps(transfer)]
         env |= {"PYTHONPATH": str(PACKAGES_ROOT), "KVTIER_P2P_SECRET": p2p_secret}

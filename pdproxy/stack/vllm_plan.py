@@ -17,13 +17,13 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from pdproxy.stack.plan import PortSource, StackOptions, StackPlan, free_port, proxy_process
+from pdproxy.stack.plan import PortSource, StackOptions, StackPlan, proxy_process
+from pdproxy.stack.ports import free_port
 from pdproxy.stack.vllm_engine import (
     SERVED_NAME,
     VllmConnector,
     VllmPaths,
     VllmRole,
-    free_fixed_port,
     proxy_backend,
     router_options,
     vllm_instance,
@@ -66,7 +66,7 @@ def build_vllm_plan(
     ports: PortSource = free_port,
     *,
     connector: VllmConnector = VllmConnector.NIXL,
-    p2p_ports: PortSource = free_fixed_port,
+    p2p_ports: PortSource = free_port,
 ) -> StackPlan:
     if options.producers < 1 or options.consumers < 1:
         raise ValueError("a PD stack needs at least one producer and one consumer")
@@ -94,7 +94,8 @@ def build_vllm_plan(
             role,
             paths,
             http_port=ports(),
-            side_channel_port=None if kvtier else ports(),
+            # Bound only once the engine has started: from the fixed range, like P2P ports.
+            side_channel_port=None if kvtier else p2p_port(),
             socket_dir=socket_dir,
             extra_args=options.worker_args,
             connector=connector,

@@ -14,7 +14,10 @@ def render_chat(prompt: ChatPrompt) -> str:
     """``<|role|>\\ncontent\\n`` per message, then the assistant's header (text parts of a
     message are joined with nothing between them, as the worker joins them)."""
     parts = [f"<|{m.role}|>\n{_text(m)}\n" for m in prompt.messages]
-    parts.append("<|assistant|>\n")
+    if prompt.continue_final_message and parts:  # the worker leaves the last message open
+        parts[-1] = parts[-1][:-1]
+    elif prompt.add_generation_prompt:
+        parts.append("<|assistant|>\n")
     return "".join(parts)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -31,6 +32,7 @@ from kvtier.keys import OffloadKey
 from kvtier.p2p import LocalIdentity, P2PClient, P2PSettings, PeerNodeId
 from kvtier.p2p.frames import Auth, Fetch, decode_frame, encode_frame
 from kvtier.p2p.sealing import TAG_BYTES
+from kvtier.p2p.sink import PageReservation
 from tests.kvtier.p2p.attacker import RelayAttacker
 
 from .faults import TcpRelay, replay_bytes
@@ -46,7 +48,7 @@ _PROMPT = "Pages derived from users' prompts must never reach a stranger. " * 6
 
 
 def _frames(data: bytes) -> list[dict[str, object]]:
-    """Control frames at the start of ``data`` (stops at the first ``block`` frame)."""
+    """Control frames at the start of ``data`` (stops at the first ``blocks`` frame)."""
     out: list[dict[str, object]] = []
     pos = 0
     while pos + 4 <= len(data):
@@ -56,7 +58,7 @@ def _frames(data: bytes) -> list[dict[str, object]]:
             break
         frame = msgpack.unpackb(body, raw=False)
         out.append(frame)
-        if frame.get("type") == "block":
+        if frame.get("type") == "blocks":
             break
         pos += 4 + length
     return out
@@ -71,9 +73,6 @@ class _Reservation:
     @property
     def buffer(self) -> memoryview:
         return memoryview(self.data)
-
-    def commit(self) -> None:
-        self.sink.pages[self.key] = bytes(self.data)
 
     def abort(self) -> None:
         pass
@@ -90,6 +89,11 @@ class _MemorySink:
 
     def reserve(self, key: OffloadKey, nbytes: int) -> _Reservation:
         return _Reservation(self, key, bytearray(nbytes))
+
+    def commit(self, reservations: Sequence[PageReservation]) -> None:
+        for reservation in reservations:
+            assert isinstance(reservation, _Reservation) and reservation.sink is self
+            self.pages[reservation.key] = bytes(reservation.data)
 
 
 def _split_recording(recorded: bytes) -> tuple[Auth, Fetch]:
@@ -152,7 +156,7 @@ async def test_p2p_nothing_served_to_strangers(procs: ProcessGroup, tally: Tally
             producer.p2p_port, encode_frame(auth) + encode_frame(replayed_fetch)
         )
         types = [f.get("type") for f in _frames(received)]
-        assert types[:1] == ["hello"] and "block" not in types, types
+        assert types[:1] == ["hello"] and "blocks" not in types, types
         assert "refuse" in types, f"replayed handshake not refused: {types}"
         # Both refusals are visible to the operator on the producer's /metrics (never logged).
         m = await metrics(client, producer.url)

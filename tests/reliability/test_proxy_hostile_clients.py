@@ -193,6 +193,9 @@ async def test_connection_cap_answers_503_at_once(procs: ProcessGroup, tally: Ta
             "backends": [backend("D", d.url, "consumer", "nixl")],
             "health": {"enabled": False},
             "admission": {"max_connections": 8},
+            # One process: with N worker processes each holds ceil(cap / N) and the kernel
+            # spreads connections unevenly, so the 9th could land on a process under its share.
+            "workers": 1,
         }
         proxy = procs.proxy("proxy", config)
         port = int(proxy.url.rsplit(":", 1)[1])

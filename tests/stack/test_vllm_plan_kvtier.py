@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pdproxy.settings import ProxySettings
 from pdproxy.stack.plan import StackOptions
+from pdproxy.stack.ports import non_ephemeral_range
 from pdproxy.stack.vllm_engine import PACKAGES_ROOT, VllmConnector, VllmPaths
 from pdproxy.stack.vllm_plan import build_vllm_plan
 
@@ -94,12 +95,26 @@ def test_up_takes_the_connector_flag() -> None:
     assert VllmConnector(args.connector) is VllmConnector.KVTIER
 
 
-def test_p2p_ports_come_from_below_the_ephemeral_range() -> None:
+def test_p2p_ports_come_from_below_the_ephemeral_range(tmp_path: Path) -> None:
     """vLLM's own sockets take ephemeral ports while it starts; a P2P port named before the
-    worker binds it must not be one of those."""
-    from pdproxy.stack.vllm_engine import free_fixed_port
+    worker binds it must not be one of those, nor one promised to another instance."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    plan = build_vllm_plan(
+        StackOptions(producers=2, consumers=2),
+        _installed(tmp_path),
+        run_dir,
+        connector=VllmConnector.KVTIER,
+    )
+    low, high = non_ephemeral_range(_ephemeral_range())
+    p2p = []
+    for worker in plan.workers:
+        transfer = json.loads(worker.argv[worker.argv.index("--kv-transfer-config") + 1])
+        p2p.append(transfer["kv_connector_extra_config"]["p2p_port"])
+    assert len(set(p2p)) == 4
+    assert all(low <= port <= high for port in p2p)
 
-    first = free_fixed_port()
-    second = free_fixed_port(exclude={first})
-    assert 20000 <= first < 32000 and 20000 <= second < 32000
-    assert first != second
+
+def _ephemeral_range() -> tuple[int, int]:
+    low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    return int(low), int(high)

@@ -99,13 +99,22 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
     sockets = run_dir / "sockets"
     sockets.mkdir(mode=0o700)
     log_dir = run_dir / "logs"
+    # NIXL side channels bind only once their engine has started, a minute later: a port from
+    # bind(0) lies in the ephemeral range, where the other instances' ZMQ/UCX sockets land
+    # meanwhile (a CI run lost d0 to "address already in use" on its side channel).
+    side_channels: list[int] = []
+
+    def side_channel_port() -> int:
+        side_channels.append(free_port())
+        return side_channels[-1]
+
     instances = {
         name: vllm_instance(
             name,
             role,
             paths,
             http_port=free_port(),
-            side_channel_port=free_port(),
+            side_channel_port=side_channel_port(),
             socket_dir=sockets,
         )
         for name, role in (

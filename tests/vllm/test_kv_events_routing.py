@@ -39,7 +39,12 @@ async def test_vllm_block_stored_events_as_the_codec_reads_them(vllm_stack: Vllm
         batches.append(batch)
 
     stored: list[BlockStored] = []
-    async with EventSubscriber(r0.events_endpoint, r0.replay_endpoint, on_batch=on_batch) as sub:
+    # vLLM serves replays from its engine process; on 2 loaded cores one took over the default
+    # 1 s (CI), and a timed-out replay delivers nothing. The timeout path has its own tests.
+    subscriber = EventSubscriber(
+        r0.events_endpoint, r0.replay_endpoint, on_batch=on_batch, replay_timeout_s=EVENTS_WITHIN_S
+    )
+    async with subscriber as sub:
         deadline = time.monotonic() + EVENTS_WITHIN_S
         while time.monotonic() < deadline:
             stored = [

@@ -20,6 +20,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from kvtier.worker.ranks import WorkerRanks
 from kvtier.worker.settings import WorkerSettings
 from kvtier.worker.worker import Worker
 
@@ -30,7 +31,7 @@ _BACKSTOP_S = 2
 class GracefulServer(uvicorn.Server):
     """uvicorn that drains the worker on SIGTERM/SIGINT and exits with status 0."""
 
-    def __init__(self, config: uvicorn.Config, worker: Worker) -> None:
+    def __init__(self, config: uvicorn.Config, worker: Worker | WorkerRanks) -> None:
         super().__init__(config)
         self._worker = worker
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -55,9 +56,11 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve_worker(app: FastAPI, settings: WorkerSettings, log_level: str) -> None:
-    """Run ``app`` (from :func:`~kvtier.worker.server.app.create_app`) until a signal stops it."""
-    worker: Worker = app.state.worker
+def serve_worker(app: FastAPI, settings: WorkerSettings, log_level: str) -> bool:
+    """Run ``app`` (from :func:`~kvtier.worker.server.app.create_app`) until a signal stops it;
+    True once it started and then stopped (its lifespan closed the worker), False if it never
+    started."""
+    worker: WorkerRanks = app.state.ranks
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -65,4 +68,6 @@ def serve_worker(app: FastAPI, settings: WorkerSettings, log_level: str) -> None
         log_level=log_level.lower(),
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s) + _BACKSTOP_S,
     )
-    GracefulServer(config, worker).run()
+    server = GracefulServer(config, worker)
+    server.run()
+    return bool(server.started)

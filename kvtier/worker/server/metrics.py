@@ -12,6 +12,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvtier.p2p.admission import ServerStats
+from kvtier.p2p.offer import OfferStats
 from kvtier.worker.latency import TokenLatencies
 from kvtier.worker.p2p_connector import P2PConnector
 from kvtier.worker.worker import Worker
@@ -32,6 +33,12 @@ _COUNTERS = {
     "kv_params_refused": "Legs refused (400): id over the length cap or producer not allowed",
     "unauthorized_requests": "Requests refused (401): missing or wrong API key",
     "oversized_bodies": "Requests refused (413): body over max_body_bytes",
+    "pull_requests": "Legs that asked a holder for prefix blocks they lacked (remote_kv_source)",
+    "pull_blocks": "Blocks pulled from holders over P2P",
+    "pull_bytes": "Bytes pulled from holders over P2P",
+    "pull_failures": "Pulls that fell short for a transport, verify or deadline problem",
+    "pull_short": "Pulls whose holder held fewer blocks than asked (it lacks the tail)",
+    "pull_seconds": "Wall seconds of pulls that moved bytes (offer, fetch and done)",
 }
 
 
@@ -118,6 +125,8 @@ class WorkerCollector(Collector):
         )
         if conn.server is not None:
             yield from _p2p_server_metrics(conn.server.stats())
+            if conn.server.offers is not None:
+                yield from _offer_metrics(conn.server.offers.stats())
 
 
 def _latency_metrics(latencies: TokenLatencies) -> Iterator[Metric]:
@@ -158,6 +167,20 @@ def _p2p_server_metrics(stats: ServerStats) -> Iterator[Metric]:
         yield GaugeMetricFamily(prefix + name, doc, getattr(stats, name))
     for name, doc in _P2P_SERVER_COUNTERS.items():
         yield CounterMetricFamily(prefix + name, doc, value=getattr(stats, name + "_total"))
+
+
+def _offer_metrics(stats: OfferStats) -> Iterator[Metric]:
+    """The holder side of symmetric pull (offers this node answered)."""
+    prefix = "kvtier_worker_p2p_"
+    yield CounterMetricFamily(prefix + "offers", "P2P offers answered", value=stats.offers_total)
+    yield CounterMetricFamily(
+        prefix + "offered_blocks", "Blocks pinned for P2P offers", value=stats.offered_keys_total
+    )
+    yield CounterMetricFamily(
+        prefix + "offers_refused",
+        "P2P offers that closed their session (too many keys, too many open, mid-fetch)",
+        value=stats.refused_total,
+    )
 
 
 def worker_registry(worker: Worker) -> CollectorRegistry:

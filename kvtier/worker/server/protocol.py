@@ -89,6 +89,8 @@ class ChatCompletionRequest(_Sampling):
     min_completion_tokens: int = Field(default=0, ge=0)
     logprobs: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's extension: generation continues the final (assistant) message."""
 
 
 class ReleaseRequest(BaseModel):

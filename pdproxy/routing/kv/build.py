@@ -20,6 +20,8 @@ from pydantic import ValidationError
 from kvtier.keys import BlockHasher
 from kvtier.residency.memory import MemoryIndex
 from pdproxy.errors import ConfigError
+from pdproxy.routing.kv.engine_scrape import EngineLoadScraper, ScrapeTarget
+from pdproxy.routing.kv.load import NodeLoad
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.state import LocalState, RouterState
@@ -80,7 +82,30 @@ def build_kv_router(
     )
     if backends is not None:
         router.add_background(lambda: _follow_backends(router, backends, feed_sync_interval_s))
+        if settings.engine_load.enabled:
+            router.add_background(lambda: engine_scraper(router, backends).run())
     return router
+
+
+def engine_scraper(router: KvRouter, backends: BackendSource) -> EngineLoadScraper:
+    """Scrapes every backend of the live registry into ``router.signals.readings``; this
+    proxy's own in-flight count comes from the router's state (shared load with Redis)."""
+    state = router.state
+
+    async def own_in_flight(node: str) -> int:
+        try:
+            seen = await state.observe(None, [node])
+        except Exception:  # the shared store is down: this replica's own count
+            return state.local.get(node).in_flight
+        return seen.loads.get(node, NodeLoad()).in_flight
+
+    return EngineLoadScraper(
+        router.settings.engine_load,
+        lambda: [ScrapeTarget(b.name, b.url) for b in backends.all()],
+        router.signals.readings,
+        own_in_flight,
+        on_result=router.signal_metrics.scraped,
+    )
 
 
 def build_state(

@@ -51,6 +51,9 @@ class NodeState:
     in_flight: int = 0
     queued_tokens: int = 0
     """Prefill tokens routed to the node and not yet finished."""
+    engine_load: float = 0.0
+    """Engine-reported load beyond this proxy's own requests, in token equivalents
+    (:mod:`pdproxy.routing.kv.engine_load_cost`; 0 without a fresh reading)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +111,10 @@ def held_blocks(match: Match) -> int:
 
 
 def load_cost(node: NodeState, weights: CostWeights) -> float:
-    return weights.in_flight_tokens * node.in_flight + weights.queued_token_weight * max(
-        node.queued_tokens, 0
+    return (
+        weights.in_flight_tokens * node.in_flight
+        + weights.queued_token_weight * max(node.queued_tokens, 0)
+        + node.engine_load
     )
 
 

@@ -13,6 +13,9 @@ from the sequence after the last one applied, so the worker's replay socket fill
 shared index without leases (a replica joining late) keeps the shared state on a reset that
 comes before its first batch.
 
+A batch tagged with a data-parallel rank other than its socket's (:mod:`pdproxy.dp_ranks`)
+is dropped and counted, never applied.
+
 Event sockets carry prompt token ids. With ``events_curve`` keys every subscription (live and
 replay) is CURVE-encrypted and checks the worker's public key; a backend whose server key is not
 configured is refused a subscription (logged) rather than followed in plain text. Key files are
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,10 +35,12 @@ from kvtier.errors import EventSecurityError, ResidencyError
 from kvtier.events import EventBatch, EventSubscriber
 from kvtier.events.curve import CurveClient, load_client
 from kvtier.residency.types import NodeId, ResidencyIndex
+from pdproxy.dp_ranks import batch_rank_refused
 from pdproxy.errors import ConfigError
 from pdproxy.routing.kv.settings import EventsCurveSettings
 
 if TYPE_CHECKING:
+    from pdproxy.routing.kv.index_exactness import IndexExactness
     from pdproxy.routing.kv.stream_leases import StreamLeases
 
 logger = logging.getLogger(__name__)
@@ -50,7 +56,14 @@ class EventFeeds:
         replay_timeout_s: float = 1.0,
         curve: EventsCurveSettings | None = None,
         leases: StreamLeases | None = None,
+        on_rank_refused: Callable[[NodeId], None] | None = None,
+        exactness: IndexExactness | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``exactness`` follows each stream's gaps, replays and losses."""
+        self._on_rank_refused = on_rank_refused
+        self._exactness = exactness
+        self._clock = clock
         self._keys = _FeedKeys(curve) if curve is not None else None
         self._index = index
         self._shared = shared
@@ -72,12 +85,14 @@ class EventFeeds:
         assert leases is not None
         while True:
             await asyncio.sleep(leases.renew_s)
+            streams = len(self._subs)
             for node in list(self._subs):
-                start_seq = await leases.take(node)
+                start_seq = await leases.take(node, streams)
                 if start_seq is not None and node in self._endpoints:
                     # Taken over: follow from what the last writer applied.
                     endpoint, replay = self._endpoints[node]
                     await self._start_sub(node, endpoint, replay, start_seq)
+            await leases.balance(streams)
 
     @property
     def nodes(self) -> list[NodeId]:
@@ -109,10 +124,24 @@ class EventFeeds:
             await old.close()
         delivered = False
         leases = self.leases
+        exactness = self._exactness
+        if exactness is not None:
+            exactness.track(nid, self._clock())
+
+        def on_gap(seq: int | None) -> None:
+            if exactness is not None:
+                exactness.gap(nid, seq, self._clock())
 
         async def on_batch(batch: EventBatch) -> None:
             nonlocal delivered
             delivered = True
+            if exactness is not None:
+                exactness.delivered(nid, sub.next_seq - 1, self._clock())
+            if batch_rank_refused(nid, batch):
+                # Tagged with another data-parallel rank than its socket's: never applied.
+                if self._on_rank_refused is not None:
+                    self._on_rank_refused(nid)
+                return
             if leases is None:
                 await self._apply(nid, batch, None)
             elif leases.holds(nid):
@@ -124,6 +153,8 @@ class EventFeeds:
             if leases is None and self._shared and not delivered:
                 logger.info("KV events for %s: joining late; the shared index keeps its state", nid)
                 return
+            if exactness is not None:
+                exactness.lost(nid, self._clock())
             await self._forget(nid)
 
         sub = EventSubscriber(
@@ -135,6 +166,7 @@ class EventFeeds:
             name=f"{nid}@{endpoint}",
             curve=self._keys.for_node(nid) if self._keys is not None else None,
             start_seq=start_seq,
+            on_gap=on_gap,
         )
         self._subs[nid] = sub
         await sub.start()
@@ -142,6 +174,8 @@ class EventFeeds:
     async def unsubscribe(self, node: str) -> None:
         nid = NodeId(node)
         self._endpoints.pop(nid, None)
+        if self._exactness is not None:
+            self._exactness.untrack(nid)
         sub = self._subs.pop(nid, None)
         if sub is not None:
             await sub.close()

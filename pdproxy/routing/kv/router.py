@@ -4,7 +4,7 @@ One decision, step by step:
 
 1. The prompt → block hashes of its routed prefix (:mod:`pdproxy.routing.kv.prompt_hash`);
    requests that cannot be hashed go on with no prompt: load alone.
-2. ``state.observe``: matches and the nodes' load (one round trip each with Redis; with the
+2. ``state.observe``: matches and the nodes' load (one round trip for both with Redis; with the
    shared store down, this replica's own load and no matches).
 3. :func:`~pdproxy.routing.kv.cost.plan_route` ranks consumers and producers.
 4. ``state.record``: the chosen nodes are charged and get speculative residency for the prompt's
@@ -27,13 +27,18 @@ from kvtier.residency.types import NodeId
 from pdproxy.breaker import BreakerState
 from pdproxy.errors import NoBackendAvailable
 from pdproxy.routing.base import B, RequestOutcome, RouteDecision, RouteRequest
+from pdproxy.routing.kv.affinity import SessionAffinity
 from pdproxy.routing.kv.charges import load_deltas, predictions
 from pdproxy.routing.kv.cost import NO_MATCH, NodeState, PromptShape, plan_route
 from pdproxy.routing.kv.event_feeds import EventFeeds
 from pdproxy.routing.kv.explain import HashedPrompt, decision_of
 from pdproxy.routing.kv.load import LoadDelta, NodeLoad
+from pdproxy.routing.kv.node_signals import NodeSignals
 from pdproxy.routing.kv.prompt_hash import PromptHasher
+from pdproxy.routing.kv.pull import pull_deltas
+from pdproxy.routing.kv.pull_planner import PullPlanner, with_pull
 from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.routing.kv.signals_metrics import SignalMetrics
 from pdproxy.routing.kv.state import Observation, RouterState
 from pdproxy.routing.kv.telemetry import KvRouterMetrics, observe_drift
 from pdproxy.tokenize.base import Tokenizer
@@ -49,6 +54,8 @@ class _Ticket:
     deltas: tuple[LoadDelta, ...]
     recorded: bool
     mode: str
+    session: str | None = None
+    blocks: int = 0
 
 
 class KvRouter:
@@ -70,15 +77,24 @@ class KvRouter:
         self._on_close = tuple(on_close)
         self._tickets: dict[str, _Ticket] = {}
         """What each decision in flight charged, by request id."""
+        self.affinity = SessionAffinity(settings.affinity, metrics.registry)
+        self.signals = NodeSignals(settings)
+        """Engine-reported load and index exactness per node."""
+        self.signal_metrics = SignalMetrics(self.signals, metrics.registry)
         self.feeds = EventFeeds(
             state.index,
             metrics.event_apply_errors.inc,
             shared=state.shared,
             curve=settings.events_curve,
             leases=state.leases,
+            on_rank_refused=lambda node: metrics.events_rank_refused.labels(node).inc(),
+            exactness=self.signals.exactness,
         )
         self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self.pulls = PullPlanner(settings.pull, settings.weights, metrics.registry)
+        # The workers' pull counters, scraped with engine load, teach the planner the link speed.
+        self.signals.readings.on_pull = lambda node, m: self.pulls.observe(m.nbytes, m.seconds)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -145,18 +161,29 @@ class KvRouter:
         if isinstance(hashed, HashedPrompt) and seen.matches is not None:
             prompt = PromptShape(hashed.tokens, self.settings.block_size)
         m = seen.matches or {}
+        sticky = self.affinity.sticky_node(request.session)
+        if sticky is not None and prompt is not None:  # routing/kv/affinity.py
+            m = self.affinity.boost(sticky, m, prompt.blocks)
         loads = seen.loads
+        now = time.monotonic()
 
         def node_state(b: B) -> NodeState:
             load = loads.get(b.name, NodeLoad())
-            return NodeState(b.name, m.get(NodeId(b.name), NO_MATCH), load.in_flight,
-                             load.queued_tokens)  # fmt: skip
+            match, engine = self.signals.adjust(b.name, m.get(NodeId(b.name), NO_MATCH), now)
+            return NodeState(b.name, match, load.in_flight, load.queued_tokens, engine)
 
-        plan = plan_route(
-            prompt, [node_state(b) for b in prods], [node_state(b) for b in cons], self.settings
+        p_states, c_states = [node_state(b) for b in prods], [node_state(b) for b in cons]
+        plan = plan_route(prompt, p_states, c_states, self.settings)
+        pulled = self.pulls.consider(
+            request.request_id, plan, prompt, p_states, c_states, backends=[*prods, *cons]
         )
+        if pulled is not None:
+            plan = pulled.plan
         decided_s = time.perf_counter() - t0
+        self.signals.after_plan(plan, prompt, m, now)
         deltas = load_deltas(plan, hashed, m, self.settings.block_size)
+        if pulled is not None and prompt is not None:
+            deltas = pull_deltas(deltas, pulled, prompt.tokens, self.settings.block_size)
         try:
             recorded = await self.state.record(
                 deltas, predictions(plan, hashed, seen.matches), self.settings.prediction_ttl_s
@@ -176,12 +203,19 @@ class KvRouter:
             decided_s=decided_s,
             route_s=route_s,
         )
+        self.signals.annotate(decision.explain, now)
+        decision = with_pull(decision, pulled)
         mode = "pd" if plan.producers else "alone"
         stale = self._tickets.pop(request.request_id, None)
         if stale is not None:  # a caller reusing an id in flight: release what it charged
             logger.warning("route %s: request id already in flight", request.request_id)
             self.state.local.apply(tuple(d.negated() for d in stale.deltas))
-        self._tickets[request.request_id] = _Ticket(decision, deltas, recorded, mode)
+        blocks = prompt.blocks if prompt is not None else 0
+        self._tickets[request.request_id] = _Ticket(
+            decision, deltas, recorded, mode, request.session, blocks
+        )
+        if request.session is not None:
+            self.affinity.chosen(sticky, plan.consumers[0])
         self.metrics.decisions.labels(plan.reason).inc()
         self.metrics.route_seconds.observe(route_s)
         if prompt is not None:
@@ -202,8 +236,11 @@ class KvRouter:
             if ticket is None or ticket.decision is not decision:
                 return
             del self._tickets[decision.request_id]
+            self.pulls.finished(decision.request_id)
             release = tuple(d.negated() for d in ticket.deltas)
             await self.state.release(release, ticket.recorded)
+            if outcome.ok and outcome.consumer is not None:
+                self.affinity.remember(ticket.session, outcome.consumer, ticket.blocks)
             observe_drift(self.metrics, decision, outcome, ticket.mode)
         except Exception:  # finished must never raise into the request path
             logger.exception("kv router: finished() failed for a decision")

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtier.residency.redis_client import RedisClient, hash_tag
+from kvtier.residency.redis_client import RedisClient, ScriptCall, hash_tag
 from pdproxy.routing.kv.load import LoadDelta, NodeLoad
 
 # One HMGET per live replica (not per node): a decision over a thousand candidates stays a few
@@ -81,7 +81,7 @@ class RedisLoad:
     ) -> None:
         tag = hash_tag(prefix, model_seed)
         self._client = client
-        self._keys = (f"{tag}:replicas", f"{tag}:load")
+        self._keys = (f"{tag}:replicas".encode(), f"{tag}:load".encode())
         self._ttl_ms = max(int(replica_ttl_s * 1000), 1)
         self.replica = replica or uuid.uuid4().hex[:16]
         self._read = client.register_script(_READ)
@@ -91,7 +91,15 @@ class RedisLoad:
     async def read(self, nodes: Sequence[str]) -> dict[str, NodeLoad]:
         if not nodes:
             return {}
-        raw: list[Any] = await self._read(keys=self._keys, args=list(nodes))
+        return self.parse_read(nodes, await self._read(keys=self._keys, args=list(nodes)))
+
+    def read_call(self, nodes: Sequence[str]) -> ScriptCall:
+        """:meth:`read` as a script call (read-only) for a caller that sends it with others
+        in one round trip; :meth:`parse_read` turns its reply into loads."""
+        return (self._read, self._keys, list(nodes))
+
+    @staticmethod
+    def parse_read(nodes: Sequence[str], raw: list[Any]) -> dict[str, NodeLoad]:
         return {
             node: NodeLoad(max(int(raw[2 * i]), 0), max(int(raw[2 * i + 1]), 0))
             for i, node in enumerate(nodes)

@@ -20,11 +20,12 @@ from typing import TypeVar
 
 from kvtier.errors import ResidencyError
 from kvtier.keys import BlockHash
-from kvtier.residency.types import Match, NodeId, ResidencyIndex
+from kvtier.residency.redis_index import RedisIndex
+from kvtier.residency.types import Match, NodeId
 from pdproxy.breaker import BreakerState
 from pdproxy.routing.kv.load import LoadDelta, MemoryLoad, NodeLoad
 from pdproxy.routing.kv.shared_load import RedisLoad
-from pdproxy.routing.kv.state import Observation, Prediction
+from pdproxy.routing.kv.state import Observation, Prediction, as_nodes
 from pdproxy.routing.kv.store_guard import StoreGuard
 from pdproxy.routing.kv.stream_leases import StreamLeases
 
@@ -38,7 +39,7 @@ class SharedState:
 
     def __init__(
         self,
-        index: ResidencyIndex,
+        index: RedisIndex,
         load: RedisLoad,
         guard: StoreGuard,
         *,
@@ -56,7 +57,7 @@ class SharedState:
         guard.on_recovered = self._resync.set
 
     @property
-    def index(self) -> ResidencyIndex:
+    def index(self) -> RedisIndex:
         return self._index
 
     @property
@@ -94,30 +95,23 @@ class SharedState:
     async def observe(
         self, hashes: Sequence[BlockHash] | None, names: Sequence[str]
     ) -> Observation:
-        # The load read runs as a task while the match runs inline: two round trips in flight,
-        # one task created.
-        load = self._load
-        load_task = asyncio.ensure_future(self._store(lambda: load.read(names), "load"))
-        failed = False
-        matches: dict[NodeId, Match] | None = None
         try:
-            if hashes is not None:
-                matches = await self._store(lambda: self._index.match(hashes), "match")
+            matches, loads = await self._store(lambda: self._read(hashes, names), "observe")
         except ResidencyError:
-            failed = True
-        except BaseException:
-            load_task.cancel()
-            await asyncio.gather(load_task, return_exceptions=True)
-            raise
-        loads: dict[str, NodeLoad]
-        try:
-            loads = await load_task
-        except ResidencyError:
-            failed = True
-            loads = {n: self._local.get(n) for n in names}
-        if failed:
-            return Observation(None, loads, "fallback")
+            return Observation(None, {n: self._local.get(n) for n in names}, "fallback")
         return Observation(matches, loads, "redis")
+
+    async def _read(
+        self, hashes: Sequence[BlockHash] | None, names: Sequence[str]
+    ) -> tuple[dict[NodeId, Match] | None, dict[str, NodeLoad]]:
+        """Matches and loads in one round trip: the load read rides on the match's first
+        chunk (on a cluster it runs beside it), so a decision waits for Redis once."""
+        load = self._load
+        if not hashes:
+            return (None if hashes is None else {}), await load.read(names)
+        riders = [load.read_call(names)] if names else []
+        matches, rode = await self._index.match_with(hashes, as_nodes(names), riders)
+        return matches, load.parse_read(names, rode[0]) if names else {}
 
     async def record(
         self, deltas: Sequence[LoadDelta], predictions: Sequence[Prediction], ttl_s: float
@@ -150,7 +144,10 @@ class SharedState:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that lands
+            # as the event is set, and close() then waits for this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._resync.wait(), self._heartbeat_s)
+                async with asyncio.timeout(self._heartbeat_s):
+                    await self._resync.wait()
             self._resync.clear()
             await self._heartbeat_once()

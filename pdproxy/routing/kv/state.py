@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from kvtier.keys import BlockHash
 from kvtier.residency.types import Match, NodeId, ResidencyIndex
@@ -25,6 +25,11 @@ from pdproxy.routing.kv.load import LoadDelta, MemoryLoad, NodeLoad
 
 if TYPE_CHECKING:
     from pdproxy.routing.kv.stream_leases import StreamLeases
+
+
+def as_nodes(names: Sequence[str]) -> Sequence[NodeId]:
+    """Backend names as index node ids (the same strings; no copy)."""
+    return cast("Sequence[NodeId]", names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +128,7 @@ class LocalState:
         self, hashes: Sequence[BlockHash] | None, names: Sequence[str]
     ) -> Observation:
         loads = {n: self._local.get(n) for n in names}
-        matches = None if hashes is None else await self._index.match(hashes)
+        matches = None if hashes is None else await self._index.match(hashes, as_nodes(names))
         return Observation(matches, loads, "memory")
 
     async def record(

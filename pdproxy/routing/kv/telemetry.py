@@ -77,6 +77,13 @@ class KvRouterMetrics:
             "KV event batches the index could not apply (the node is forgotten on recovery)",
             registry=r,
         )
+        self.events_rank_refused = Counter(
+            "pdproxy_kv_router_events_rank_refused",
+            "KV event batches dropped because their data_parallel_rank is not their socket's "
+            "rank (out of range, or another rank's), by node",
+            ["node"],
+            registry=r,
+        )
 
 
 def observe_drift(

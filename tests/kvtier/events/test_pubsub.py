@@ -40,7 +40,14 @@ class Sink:
         return [int(b.ts) for b in self.batches]
 
 
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+WAIT_S = 5.0
+"""How long a scenario waits for an outcome. Subscribers whose outcome comes from a replay get
+it as their replay timeout too: a timed-out replay delivers nothing (its own test is
+test_replay_timeout_resets_and_close_is_prompt), so the default 1 s bound made a machine that
+stalled this process for a second (CURVE handshakes on a loaded CI box) fail these tests."""
+
+
+async def until(cond: Callable[[], bool], timeout: float = WAIT_S) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
             await asyncio.sleep(0.005)
@@ -95,6 +102,7 @@ async def test_late_subscriber_catches_up_from_replay(keys: Keys) -> None:
             pub.replay_endpoint,
             on_batch=sink.on_batch,
             on_reset=sink.on_reset,
+            replay_timeout_s=WAIT_S,
             **keys.sub,
         ) as sub:
             await until(lambda: len(sink.batches) == 30)
@@ -118,6 +126,7 @@ async def test_late_start_past_the_buffer_resets_then_continues(keys: Keys) -> N
             pub.replay_endpoint,
             on_batch=sink.on_batch,
             on_reset=sink.on_reset,
+            replay_timeout_s=WAIT_S,
             **keys.sub,
         ) as sub:
             await until(lambda: len(sink.batches) == 5)
@@ -314,7 +323,12 @@ async def test_restarted_publisher_whose_sequence_passed_ours_still_resets(keys:
     endpoint, replay = old.endpoint, old.replay_endpoint
     assert replay is not None
     sub = EventSubscriber(
-        endpoint, replay, on_batch=sink.on_batch, on_reset=sink.on_reset, **keys.sub
+        endpoint,
+        replay,
+        on_batch=sink.on_batch,
+        on_reset=sink.on_reset,
+        replay_timeout_s=WAIT_S,
+        **keys.sub,
     )
     try:
         await sub.start()
@@ -328,7 +342,7 @@ async def test_restarted_publisher_whose_sequence_passed_ours_still_resets(keys:
             for i in range(n + 5):  # ts 100+: the new process's batches, seq 0..n+4
                 await new.publish(batch(100 + i))
             # Live traffic after the subscriber has reconnected reveals the restart.
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(WAIT_S):
                 i = n + 5
                 while sink.resets == 0 or sink.ts()[-1] < 100 + i - 1:
                     await new.publish(batch(100 + i))

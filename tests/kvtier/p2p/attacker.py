@@ -4,9 +4,10 @@ It does what issue 15's relay attack did: it forwards the consumer's handshake t
 producer and the producer's answers back, byte for byte, so both ends authenticate each other
 through it. Then it tampers with the producer → consumer stream according to ``mode``:
 
-- ``forge``: keeps every block header, replaces every payload with bytes of its choosing;
+- ``forge``: keeps every ``blocks`` header, replaces every payload with bytes of its choosing;
 - ``flip``: flips one bit in the middle of the first payload (a corrupting network);
-- ``inject``: replaces the first block frame with one it made up (header, MAC, frame tag, payload);
+- ``inject``: replaces the first ``blocks`` frame with one it made up (header, MACs, frame tag,
+  payloads);
 - ``replay``: (consumer → producer) sends every ``fetch`` frame twice;
 - ``relay``: changes nothing (the control: a relay on its own harms nobody).
 
@@ -24,7 +25,7 @@ from typing import Literal
 
 import msgpack
 
-from kvtier.p2p.frames import BlockHeader, encode_body
+from kvtier.p2p.frames import BlockBatch, BlockHeader, encode_body
 from kvtier.p2p.sealing import TAG_BYTES
 
 Mode = Literal["forge", "flip", "inject", "replay", "relay"]
@@ -119,37 +120,42 @@ class RelayAttacker:
                 (n,) = _PREFIX.unpack(prefix)
                 frame = prefix + await reader.readexactly(n)
                 body = _body(frame)
-                if body.get("type") != "block":
+                if body.get("type") != "blocks":
                     writer.write(frame)
                     await writer.drain()
                     continue
-                nbytes = int(body["nbytes"])
-                payload = bytearray(await reader.readexactly(nbytes))
-                self.blocks_seen += 1
-                frame, payload = self._tamper(frame, body, payload)
+                entries = body["blocks"]
+                assert isinstance(entries, list)
+                payloads = [bytearray(await reader.readexactly(int(e[1]))) for e in entries]
+                first = self.blocks_seen == 0
+                self.blocks_seen += len(entries)
+                frame, payloads = self._tamper(frame, entries, payloads, first)
                 writer.write(frame)
-                writer.write(payload)
+                for data in payloads:
+                    writer.write(data)
                 await writer.drain()
 
     def _tamper(
-        self, frame: bytes, body: dict[str, object], payload: bytearray
-    ) -> tuple[bytes, bytearray]:
-        first = self.blocks_seen == 1
+        self, frame: bytes, entries: list[list[object]], payloads: list[bytearray], first: bool
+    ) -> tuple[bytes, list[bytearray]]:
         if self.mode == "forge":
-            self.payloads_tampered += 1
-            return frame, bytearray(b"\x42" * len(payload))
+            self.payloads_tampered += len(payloads)
+            return frame, [bytearray(b"\x42" * len(p)) for p in payloads]
         if self.mode == "flip" and first:
             self.payloads_tampered += 1
-            payload[len(payload) // 2] ^= 0x01
-            return frame, payload
+            payloads[0][len(payloads[0]) // 2] ^= 0x01
+            return frame, payloads
         if self.mode == "inject" and first:
-            self.payloads_tampered += 1
-            forged = bytearray(b"\x66" * len(payload))
-            header = BlockHeader(body["key"], len(forged), os.urandom(16))  # type: ignore[arg-type]
-            packed = encode_body(header)
+            self.payloads_tampered += len(payloads)
+            forged = [bytearray(b"\x66" * len(p)) for p in payloads]
+            blocks = tuple(
+                BlockHeader(e[0], len(f), os.urandom(16))  # type: ignore[arg-type]
+                for e, f in zip(entries, forged, strict=True)
+            )
+            packed = encode_body(BlockBatch(blocks))
             head = _PREFIX.pack(len(packed) + TAG_BYTES) + packed
             return head + os.urandom(TAG_BYTES), forged
-        return frame, payload
+        return frame, payloads
 
 
 async def _plain_frame(reader: asyncio.StreamReader) -> bytes:

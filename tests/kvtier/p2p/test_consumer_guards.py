@@ -12,8 +12,17 @@ import pytest
 from kvtier.keys import OffloadKey
 from kvtier.p2p.channel import FrameChannel, tune_socket
 from kvtier.p2p.client import FetchResult
-from kvtier.p2p.frames import LENGTH_PREFIX, BlockHeader, Done, Fail, Fetch, PeerNodeId
+from kvtier.p2p.frames import (
+    LENGTH_PREFIX,
+    BlockBatch,
+    BlockHeader,
+    Done,
+    Fail,
+    Fetch,
+    PeerNodeId,
+)
 from kvtier.p2p.handshake import LocalIdentity, server_handshake
+from kvtier.p2p.sealing import PageSealer
 
 from .conftest import (
     FINGERPRINT,
@@ -28,17 +37,33 @@ from .conftest import (
 )
 
 Script = Callable[[FrameChannel, Fetch], Awaitable[None]]
+PAGE_KEY = b"\x5a" * 32
+"""The fake producer's page key (tests forge tags that verify, or not, under it)."""
 
 
 async def good_block(channel: FrameChannel, key: OffloadKey) -> None:
-    await channel.send_block(key, memoryview(payload(key)))
+    await channel.send_blocks([(key, memoryview(payload(key)), None)])
 
 
 async def forged_block(channel: FrameChannel, header: BlockHeader, data: bytes) -> None:
     """A block whose header says what the test wants (its own MAC is valid: this producer holds
     the session key); the payload goes out raw, after it."""
-    await channel.send_frame(header)
+    await forged_batch(channel, [header], data)
+
+
+async def forged_batch(channel: FrameChannel, headers: list[BlockHeader], data: bytes) -> None:
+    """One ``blocks`` frame announcing ``headers`` (session MAC valid), then ``data`` raw."""
+    await channel.send_frame(BlockBatch(tuple(headers)))
     await asyncio.get_running_loop().sock_sendall(channel.sock, data)
+
+
+def tagged(key: OffloadKey, page_key: bytes | None = None) -> BlockHeader:
+    """A header whose tag is right for ``key``'s payload under ``page_key`` (the fake
+    producer's), or a made-up tag without one."""
+    if page_key is None:
+        return BlockHeader(key, PAGE, b"\x01" * 16)
+    tag = PageSealer(page_key).tag(payload(key))  # nonce 0 each time: fine for a test key
+    return BlockHeader(key, PAGE, tag.mac, tag.nonce)
 
 
 async def run_against(
@@ -57,7 +82,7 @@ async def run_against(
         tune_socket(sock, 0)
         channel = FrameChannel(sock, 1 << 20)
         try:
-            await server_handshake(channel, identity)
+            await server_handshake(channel, identity, pages=PageSealer(PAGE_KEY))
             fetch = await channel.read_frame()
             assert isinstance(fetch, Fetch)
             await script(channel, fetch)
@@ -107,6 +132,97 @@ async def test_forged_page_mid_fetch_installs_only_the_pages_before_it() -> None
     pair, result = await run_against(script, n=12)
     assert result.usable == 5 and "block payload failed authentication" in (result.reason or "")
     assert pair.consumer_pool.stats().readable == 5
+    pair.assert_baseline()
+
+
+async def test_forged_page_inside_one_batch_installs_only_the_pages_before_it() -> None:
+    """One ``blocks`` frame of six pages whose third payload does not match its tag: the two
+    before it are installed, it and every later page of the frame (and the fetch) are not."""
+
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        keys = fetch.keys[:6]
+        headers = [tagged(k, PAGE_KEY) for k in keys]
+        data = [payload(k) for k in keys]
+        data[2] = bytes(PAGE)  # the header's tag is for the real payload
+        await forged_batch(channel, headers, b"".join(data))
+        await channel.send_blocks([(k, memoryview(payload(k)), None) for k in fetch.keys[6:]])
+
+    pair, result = await run_against(script, n=8)
+    assert result.usable == 2 and "block payload failed authentication" in (result.reason or "")
+    assert pair.consumer_pool.stats().readable == 2
+    pair.assert_baseline()
+
+
+async def test_a_batch_of_good_pages_is_installed_whole() -> None:
+    """The control for the test above: the same frame with honest payloads installs all."""
+
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        headers = [tagged(k, PAGE_KEY) for k in fetch.keys]
+        await forged_batch(channel, headers, b"".join(payload(k) for k in fetch.keys))
+
+    pair, result = await run_against(script, n=6)
+    assert result.complete, result
+    assert pair.consumer_pool.stats().readable == 6
+    pair.assert_baseline()
+
+
+async def test_batch_truncated_mid_page_installs_the_whole_pages_before() -> None:
+    """A producer that dies inside a ``blocks`` frame: the pages that arrived whole (and
+    verify) are installed, the page cut in half is not."""
+
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        headers = [tagged(k, PAGE_KEY) for k in fetch.keys]
+        data = b"".join(payload(k) for k in fetch.keys)
+        await forged_batch(channel, headers, data[: 2 * PAGE + PAGE // 2])
+
+    pair, result = await run_against(script, n=4)
+    assert result.usable == 2 and result.reason is not None
+    assert pair.consumer_pool.stats().readable == 2
+    pair.assert_baseline()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda keys: [tagged(k, PAGE_KEY) for k in (keys[0], keys[2], keys[1])],  # reordered
+        lambda keys: [tagged(k, PAGE_KEY) for k in (keys[0], keys[1], keys[1])],  # repeated
+        lambda keys: [tagged(k, PAGE_KEY) for k in keys[:5]],  # more keys than demanded
+    ],
+    ids=["reordered", "repeated", "undemanded"],
+)
+async def test_batch_naming_other_keys_installs_nothing_of_it(
+    change: Callable[[tuple[OffloadKey, ...]], list[BlockHeader]],
+) -> None:
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        await good_block(channel, fetch.keys[0])
+        headers = change(fetch.keys)
+        await forged_batch(channel, headers, bytes(PAGE * len(headers)))
+
+    pair, result = await run_against(script, n=3)
+    assert result.usable == 1 and "out of order" in (result.reason or "")
+    assert pair.consumer_pool.stats().readable == 1
+    pair.assert_baseline()
+
+
+async def test_pages_found_locally_mid_batch_are_skipped_in_step() -> None:
+    """Keys that turned up locally after the fetch demanded them (here: keys 1 and 3, written
+    by the fake producer's script just before it answers) have their payloads read and dropped
+    inside the batch; the pages around them land in the right pages and verify."""
+    pair = await make_pair()
+
+    async def script(channel: FrameChannel, fetch: Fetch) -> None:
+        for key in (fetch.keys[1], fetch.keys[3]):
+            write_page(pair.consumer_pool, key)
+        headers = [tagged(k, PAGE_KEY) for k in fetch.keys]
+        await forged_batch(channel, headers, b"".join(payload(k) for k in fetch.keys))
+
+    _, result = await run_against(script, n=5, pair=pair)
+    assert result.complete, result
+    assert set(result.found_meanwhile) == set(make_keys(5)[1:4:2])
+    assert len(result.fetched) == 3
+    for key in make_keys(5):
+        with pair.consumer_pool.acquire(key) as ref:
+            assert bytes(ref.view[:PAGE]) == payload(key)
     pair.assert_baseline()
 
 

@@ -20,9 +20,11 @@ from kvtier.errors import ProtocolError
 from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey
 from kvtier.p2p.frames import (
     LENGTH_PREFIX,
+    MAX_BLOCKS_PER_FRAME,
     MAX_PAGE_NONCE,
     WRAPPED_PAGE_KEY_BYTES,
     Auth,
+    BlockBatch,
     BlockHeader,
     Done,
     Fail,
@@ -65,13 +67,17 @@ frames_st: st.SearchStrategy[Frame] = st.one_of(
         keys_st.map(lambda ks: tuple(OffloadKey(k) for k in ks)),
         st.integers(0, 3_600_000),
     ),
-    st.builds(
-        BlockHeader,
-        st.binary(min_size=OFFLOAD_KEY_BYTES, max_size=OFFLOAD_KEY_BYTES).map(OffloadKey),
-        st.integers(1, 1 << 31),
-        st.binary(min_size=16, max_size=16),
-        st.integers(0, MAX_PAGE_NONCE),
-    ),
+    st.lists(
+        st.builds(
+            BlockHeader,
+            st.binary(min_size=OFFLOAD_KEY_BYTES, max_size=OFFLOAD_KEY_BYTES).map(OffloadKey),
+            st.integers(1, 1 << 31),
+            st.binary(min_size=16, max_size=16),
+            st.integers(0, MAX_PAGE_NONCE),
+        ),
+        min_size=1,
+        max_size=MAX_BLOCKS_PER_FRAME,
+    ).map(lambda blocks: BlockBatch(tuple(blocks))),
     st.builds(
         Fail,
         rid_st.map(KvRequestId),
@@ -263,7 +269,7 @@ def test_consumer_sending_a_block_is_a_protocol_error(live: LiveServer) -> None:
     try:
         peer = _handshake(sock)
         # A consumer never sends block headers: that alone is a protocol error.
-        peer.send(BlockHeader(OffloadKey(b"\x00" * 18), 4, bytes(16)))
+        peer.send(BlockBatch((BlockHeader(OffloadKey(b"\x00" * 18), 4, bytes(16)),)))
         sock.sendall(b"abcd")
         _drain_until_closed(sock)
     finally:

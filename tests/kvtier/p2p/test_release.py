@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.keys import OffloadKey
-from kvtier.p2p.frames import BlockHeader, Fetch
+from kvtier.p2p.frames import BlockBatch, Fetch
 
 from .conftest import (
     Pair,
@@ -84,8 +84,8 @@ async def test_consumer_disconnect_mid_payload(pair: Pair) -> None:
     try:
         await channel.send_frame(Fetch(k, tuple(keys), 5000))
         header = await channel.read_frame()
-        assert isinstance(header, BlockHeader)
-        half = memoryview(bytearray(header.nbytes // 2))
+        assert isinstance(header, BlockBatch)
+        half = memoryview(bytearray(header.blocks[0].nbytes // 2))
         await asyncio.get_running_loop().sock_recv_into(channel.sock, half)
     finally:
         channel.close()  # gone in the middle of a payload, without done

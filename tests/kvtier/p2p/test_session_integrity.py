@@ -18,7 +18,7 @@ import pytest
 
 from kvtier.keys import OffloadKey
 from kvtier.offload.types import LookupResult
-from kvtier.p2p.frames import Done, Fetch
+from kvtier.p2p.frames import BlockBatch, Done, Fetch
 
 from .attacker import Mode, RelayAttacker
 from .blocking_peer import BlockingPeer
@@ -177,7 +177,8 @@ async def test_control_frames_cannot_be_replayed_reordered_reflected_or_dropped(
             try:
                 peer.send(Fetch(rid(55), (fresh[0],), 2000))
                 header = peer.read()
-                assert getattr(header, "key", None) == fresh[0]
+                assert isinstance(header, BlockBatch)
+                assert [block.key for block in header.blocks] == [fresh[0]]
             finally:
                 sock.close()
 

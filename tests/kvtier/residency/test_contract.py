@@ -183,3 +183,21 @@ async def test_prediction_gaps_break_contiguity(index: ResidencyIndex, hasher: B
     hashes = hasher.hash_tokens(TOKENS)
     await index.predict(A, [hashes[0], hashes[2]], ttl_s=30)
     assert await index.match(hashes) == {A: Match(predicted=1)}
+
+
+async def test_match_among_candidates(index: ResidencyIndex, hasher: BlockHasher) -> None:
+    """A match among candidates answers exactly the full match restricted to them; nodes the
+    index does not know and candidates holding nothing are simply absent."""
+    eng = FakeEngine()
+    c, ghost = NodeId("node-c"), NodeId("never-seen")
+    hashes = hasher.hash_tokens(TOKENS)
+    await index.apply(A, batch(eng.stored(TOKENS, 0, 6)))
+    await index.apply(B, batch(eng.stored(TOKENS, 0, 3, medium="CPU")))
+    await index.predict(c, hashes[:2], ttl_s=60)
+    everything = await index.match(hashes)
+    assert set(everything) == {A, B, c}
+    for among in ([A], [B, c], [A, B, c, ghost], [ghost], []):
+        want = {n: m for n, m in everything.items() if n in among}
+        assert await index.match(hashes, among) == want, among
+    await index.apply(NodeId("idle"), batch(eng.stored(OTHER, 0, 8)))
+    assert await index.match(hashes, [NodeId("idle")]) == {}

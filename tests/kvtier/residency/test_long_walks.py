@@ -1,6 +1,6 @@
-"""Long prompts: RedisIndex's match walk (growing MGET chunks, runs of equal values skipped,
-prediction entries read only where a node still matching lacks a block, expired entries met on
-the way) answers exactly as MemoryIndex does; predictions of retired slots are swept."""
+"""Long prompts: RedisIndex's match walk (read chunks, runs of equal values skipped, the walk
+limited to candidates, expired prediction entries met on the way) answers exactly as
+MemoryIndex does, with and without candidates; predictions of retired slots are swept."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from redis.asyncio import Redis
 
 from kvtier.keys import BlockHasher
 from kvtier.residency.memory import MemoryIndex
+from kvtier.residency.redis_layout import block_id
 from kvtier.residency.types import Match, NodeId
 
 from .conftest import BLOCK, MODEL, FakeEngine, batch, redis_index
 
 pytestmark = pytest.mark.redis
 
-BLOCKS = 150  # crosses the script's MGET chunks (32, 64, ...) and 16-block prediction windows
+BLOCKS = 150  # crosses 32-block read chunks
 SHARED = 70
 PROMPTS = [
     list(range(1, 1 + BLOCKS * BLOCK)),
@@ -91,7 +92,7 @@ async def test_long_prompts_match_alike(redis_url: str, stream: list[object]) ->
     hasher = BlockHasher(MODEL, BLOCK)
     now = [1000.0]
     memory = MemoryIndex(hasher, clock=lambda: now[0])
-    redis = redis_index(redis_url, hasher)
+    redis = redis_index(redis_url, hasher, max_blocks_per_read=32)  # chunks of 32 blocks
     eng = FakeEngine()
     hashes = [hasher.hash_tokens(p) for p in PROMPTS]
     try:
@@ -112,7 +113,9 @@ async def test_long_prompts_match_alike(redis_url: str, stream: list[object]) ->
         for _ in range(2):  # the first walk deletes expired predictions: the second agrees
             for h in hashes:
                 for cut in (len(h), 129, 97, 96, 33, 32, 17, 16, 1):
-                    assert await memory.match(h[:cut]) == await redis.match(h[:cut])
+                    for among in (None, NODES[:2], NODES[1::2]):
+                        got = await redis.match(h[:cut], among)
+                        assert await memory.match(h[:cut], among) == got
     finally:
         await memory.close()
         await redis.close()
@@ -146,13 +149,13 @@ async def test_predictions_of_a_retired_slot_are_swept(redis_url: str) -> None:
         await idx.predict(a, hashes[:40], ttl_s=60)
         await idx.predict(b, hashes[:20], ttl_s=60)
         await idx.predict(b, hashes[:20], ttl_s=60)  # replaces b's entries, adds none
-        key = idx.keys.p + hashes[0]
-        assert len(await client.get(key)) == 2 * 16  # type: ignore[arg-type]
+        pred, first = idx.keys.pred, block_id(hashes[0])
+        assert len(await client.hget(pred, first)) == 2 * 16  # type: ignore[arg-type]
         await idx.forget(a)
         assert await idx.match(hashes) == {b: Match(predicted=20)}
         assert await idx.sweep() == 1
-        assert len(await client.get(key)) == 16  # type: ignore[arg-type]
-        assert not await client.exists(idx.keys.p + hashes[30])
+        assert len(await client.hget(pred, first)) == 16  # type: ignore[arg-type]
+        assert not await client.hexists(pred, block_id(hashes[30]))
         await idx.predict(late, hashes[:5], ttl_s=60)  # takes the freed slot
         assert await idx.match(hashes) == {b: Match(predicted=20), late: Match(predicted=5)}
     finally:

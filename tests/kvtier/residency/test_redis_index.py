@@ -12,7 +12,7 @@ from kvtier.errors import ResidencyUnavailable
 from kvtier.keys import BlockHasher
 from kvtier.residency.redis_client import hash_tag
 from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings
-from kvtier.residency.redis_layout import holders
+from kvtier.residency.redis_layout import block_id, holders
 from kvtier.residency.types import Match, NodeId
 
 from .conftest import BLOCK, FakeEngine, batch, redis_index
@@ -182,7 +182,7 @@ async def test_retired_slots_are_swept_then_reused(redis_url: str, hasher: Block
         try:
             live = {int(s) for s in await client.hvals(idx.keys.slots)}
             for h in hashes[:3]:
-                held = holders(await client.get(idx.keys.r + h))
+                held = holders(await client.hget(idx.keys.res, block_id(h)))
                 assert held and set(held) <= live  # retired slots were scrubbed
         finally:
             await client.aclose()
@@ -205,7 +205,7 @@ async def test_forgets_start_a_background_sweep(redis_url: str, hasher: BlockHas
         client = Redis.from_url(redis_url)
         try:
             assert await client.scard(idx.keys.retired) == 0
-            assert not await client.exists(idx.keys.r + hasher.hash_tokens(TOKENS)[0])
+            assert not await client.hexists(idx.keys.res, block_id(hasher.hash_tokens(TOKENS)[0]))
         finally:
             await client.aclose()
     finally:

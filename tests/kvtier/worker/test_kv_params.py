@@ -12,9 +12,12 @@ from kvtier.worker.errors import KVTransferParamsError
 from kvtier.worker.kv_params import (
     ConsumerLeg,
     Dialect,
+    KvSource,
     ProducerLeg,
+    PullLeg,
     parse_leg,
     producer_answer,
+    pull_source,
 )
 
 WIRE = Path(__file__).resolve().parents[4] / "shared" / "wire" / "vllm-toy-proxy-nixl-legs.json"
@@ -168,5 +171,38 @@ def test_plain_requests(params: dict[str, Any] | None) -> None:
     ],
 )
 def test_malformed(params: dict[str, Any]) -> None:
+    with pytest.raises(KVTransferParamsError):
+        parse_leg(params, "n")
+
+
+def test_remote_kv_source_alone_and_on_a_producer_leg() -> None:
+    holder = {"remote_host": "h", "remote_port": 5600, "remote_engine_id": "holder-1"}
+    assert parse_leg({"remote_kv_source": holder}, "n") == PullLeg(KvSource("h", 5600, "holder-1"))
+    assert parse_leg(
+        {"remote_kv_source": {"remote_host": "h", "remote_port": 5600}}, "n"
+    ) == PullLeg(KvSource("h", 5600))
+    combined = parse_leg(
+        {"remote_decoder": {"kv_request_id": "K"}, "remote_kv_source": holder}, "n"
+    )
+    assert combined == ProducerLeg(Dialect.P2P, "K", KvSource("h", 5600, "holder-1"))
+    assert pull_source(combined) == KvSource("h", 5600, "holder-1")
+    assert pull_source(ProducerLeg(Dialect.P2P, "K")) is None
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"remote_kv_source": "h:5600"},
+        {"remote_kv_source": {"remote_host": "h"}},
+        {"remote_kv_source": {"remote_host": "h", "remote_port": 0}},
+        {"remote_kv_source": {"remote_host": "", "remote_port": 5600}},
+        {"remote_kv_source": {"remote_host": "h", "remote_port": 5600, "remote_engine_id": 7}},
+        {
+            "remote_kv_source": {"remote_host": "h", "remote_port": 5600},
+            "remote_prefiller": {"kv_request_id": "K", "remote_host": "h", "remote_port": 1},
+        },
+    ],
+)
+def test_malformed_remote_kv_source(params: dict[str, Any]) -> None:
     with pytest.raises(KVTransferParamsError):
         parse_leg(params, "n")

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
 
+from tests.conftest import free_port
+
 from .pd_helpers import assert_released, connector, pd_request, workers
 
 PROMPT = "A long shared system prompt about KV caches and where they live. " * 6  # 390 tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("model", ["tiny", "sim"])

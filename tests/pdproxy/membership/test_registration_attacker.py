@@ -180,6 +180,25 @@ async def test_admitted_key_is_held_to_its_own_address_and_names(listening: List
         worker.close()
 
 
+async def test_a_consumer_keeps_its_announced_p2p_address_as_a_holder(
+    listening: Listening,
+) -> None:
+    """Every worker is a P2P holder: a consumer's announced address is where a pull fetches
+    from. It stays a consumer (never a producer candidate, so never a producer's address), and
+    an address not its own is refused as for any role (the test above)."""
+    ctx = listening
+    worker = ctx.registrant(ctx.keys.worker_secret)
+    try:
+        await worker.send(vllm_message("D", 8100, zmq_port=21007))
+        await eventually(lambda: "reg-127.0.0.1-8100" in ctx.names(), 5)
+        member = ctx.membership.get("reg-127.0.0.1-8100")
+        assert member is not None and member.backend.role is Role.CONSUMER
+        assert member.backend.kv_address == ("127.0.0.1", 21007)
+        assert "reg-127.0.0.1-8100" not in {b.name for b in ctx.registry.producers()}
+    finally:
+        worker.close()
+
+
 async def test_another_admitted_key_cannot_drain_or_replace(
     listening: Listening, tmp_path: Path
 ) -> None:

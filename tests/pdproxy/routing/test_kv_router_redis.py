@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 
 from kvtier.events import EventBatch, EventPublisher
 from kvtier.residency.types import NodeId
@@ -25,8 +27,22 @@ pytestmark = pytest.mark.redis
 __all__ = ["redis_cluster_url"]  # the session's cluster fixture
 
 
+DEADLINE_S = 1.0
+"""The Redis deadline of these tests. Where sharing is under test, a call past it only turns
+into a fallback the test did not ask for (a lease not taken, "fallback" where "redis" is
+asserted): a loopback round trip takes well under a millisecond, and the bound absorbs the
+process being descheduled on a loaded CI machine, which went past the former 50 ms (as in the
+cluster and stream-takeover tests). Where the deadline itself is under test, bounds are stated
+in deadlines, so that waiting one out and not waiting at all stay a deadline apart."""
+
+
 def settings_for(url: str, **extra: object) -> KvRouterSettings:
-    base = {"model_seed": SEED, "block_size": BS, "index_url": url, "redis_deadline_s": 0.05}
+    base = {
+        "model_seed": SEED,
+        "block_size": BS,
+        "index_url": url,
+        "redis_deadline_s": DEADLINE_S,
+    }
     return KvRouterSettings.model_validate({**base, **extra})
 
 
@@ -106,7 +122,9 @@ async def test_late_replica_sees_residency_predictions_and_load_at_once(
 
 
 async def test_redis_killed_mid_run_falls_back_and_recovers(
-    own_redis: RedisServer, make_router: Callable[[KvRouterSettings], KvRouter]
+    own_redis: RedisServer,
+    make_router: Callable[[KvRouterSettings], KvRouter],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     always_pd = {"max_suffix_tokens": 0, "min_hit_ratio": 1.0}
     router = make_router(
@@ -116,34 +134,43 @@ async def test_redis_killed_mid_run_falls_back_and_recovers(
     producers, consumers = pool(2, 2)
     prefix = prompt_text(5)
     await write_events(router, NodeId("p1"), stored(prefix))
-    sources: list[str] = []
-    slowest_after_kill = 0.0
-    killed_at: float | None = None
-    first_fallback_at: float | None = None
-    for i in range(60):
-        if i == 20:
-            own_redis.stop()
-            killed_at = time.perf_counter()
-        t0 = time.perf_counter()
-        d = await router.route(text_request(prefix + str(i)), producers, consumers)
-        t1 = time.perf_counter()
+    n = 0
+
+    async def decide() -> str:
+        nonlocal n
+        n += 1
+        d = await router.route(text_request(prefix + str(n)), producers, consumers)
         await router.finished(d, RequestOutcome(None, d.consumers[0].name, ok=True))
-        sources.append(d.explain["index"])
-        if killed_at is not None:
-            slowest_after_kill = max(slowest_after_kill, t1 - t0)
-            if first_fallback_at is None and d.explain["index"] == "fallback":
-                first_fallback_at = t1
         await asyncio.sleep(0.005)
-    # Before the kill: the shared index (a rare call past its 50 ms deadline on a busy machine
-    # falls back for that one request, by design).
-    assert sources[:20].count("redis") >= 15, sources
-    assert set(sources[20:]) == {"fallback"}
-    assert killed_at is not None and first_fallback_at is not None
-    assert first_fallback_at - killed_at < 0.1
-    assert slowest_after_kill < 0.1
-    assert router.breaker_state is BreakerState.OPEN
-    gauge = router.metrics.registry.get_sample_value("pdproxy_kv_router_shared_state_up")
-    assert gauge == 0
+        return str(d.explain["index"])
+
+    before = [await decide() for _ in range(20)]
+    # Before the kill: the shared index (a rare call past its deadline on a busy machine falls
+    # back for that one request, by design).
+    assert before.count("redis") >= 15, before
+    own_redis.stop()
+
+    def shared_state_up() -> float | None:
+        return router.metrics.registry.get_sample_value("pdproxy_kv_router_shared_state_up")
+
+    # From the kill on, every decision falls back, and the breaker opens. Failures less than a
+    # deadline apart count once, so it opens after three spread over two deadlines or more.
+    after: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="pdproxy.routing.kv.store_guard"):
+        while shared_state_up() == 1:
+            assert len(after) < 2_000, "the breaker never opened"
+            after.append(await decide())
+        after += [await decide() for _ in range(20)]
+    assert set(after) == {"fallback"}, after
+    # The breaker opened once, on a refusal: a killed Redis costs no deadline (asserted by the
+    # failure's cause, not by a stopwatch on a loaded machine).
+    [opened] = [r.getMessage() for r in caplog.records if r.name.endswith("store_guard")]
+    assert "routing by load alone" in opened, opened
+    assert "ConnectionError" in opened and "Timeout" not in opened, opened
+    # Open, or half-open where its 0.2 s cooldown has passed and the probe is due: never closed
+    # while Redis is down (the former ``is OPEN`` failed whenever the machine took 0.2 s here).
+    assert router.breaker_state is not BreakerState.CLOSED
+    assert shared_state_up() == 0
     # Redis returns (empty: no persistence). Routing recovers by itself.
     own_redis.start()
     deadline = time.monotonic() + 5
@@ -163,6 +190,32 @@ async def test_redis_killed_mid_run_falls_back_and_recovers(
     assert d.producers[0].name == "p1" and d.reason == "kv-prefix"
 
 
+async def test_decision_reloads_scripts_redis_lost(
+    own_redis: RedisServer, make_router: Callable[[KvRouterSettings], KvRouter]
+) -> None:
+    """The load read rides on the match's round trip by SHA; after Redis lost its scripts (a
+    restart or failover does; SCRIPT FLUSH here) the decision loads it and still reads the
+    shared state: no fallback, the first decision's charge is seen."""
+    router = make_router(settings_for(own_redis.url, redis_deadline_s=1.0))
+    await router.start()
+    producers, consumers = pool(2, 2)
+    prefix = prompt_text(8)
+    await write_events(router, NodeId("p1"), stored(prefix))
+    first = await router.route(text_request(prefix + "a"), producers, consumers)
+    assert first.producers[0].name == "p1"
+    client = Redis.from_url(own_redis.url)
+    try:
+        await client.script_flush()
+    finally:
+        await client.aclose()
+    d = await router.route(text_request(prefix + "b"), producers, consumers)
+    assert d.explain["index"] == "redis"
+    # The sibling follows the first request's consumer: its prediction matched, its charge read.
+    assert d.consumers[0].name == first.consumers[0].name
+    row = {r["name"]: r for r in d.explain["consumers"]}[first.consumers[0].name]
+    assert row["predicted"] == len(prefix) // BS and row["in_flight"] == 1
+
+
 async def test_paused_redis_costs_a_deadline_not_a_hang(
     own_redis: RedisServer, make_router: Callable[[KvRouterSettings], KvRouter]
 ) -> None:
@@ -180,10 +233,14 @@ async def test_paused_redis_costs_a_deadline_not_a_hang(
             await router.finished(d, RequestOutcome(None, None, ok=False))
     finally:
         own_redis.resume()
-    assert max(times) < 0.25  # one deadline (50 ms) per call at most
-    # After three failures the breaker is open: no more waiting at all.
+    # A decision's store calls end at their deadline, never hang: two in a row at most (the
+    # observation, then the charge of the choice), and the bound leaves one more deadline for
+    # scheduling on a loaded machine (the former bound left 150 ms).
+    assert max(times) < 3 * DEADLINE_S
+    # After three failures the breaker is open: no call waits for Redis any more (one that did
+    # would take a whole deadline; the former 20 ms bound failed at 29 ms under load).
     assert router.breaker_state is BreakerState.OPEN
-    assert max(times[3:]) < 0.02
+    assert max(times[3:]) < DEADLINE_S
 
 
 async def test_late_replica_joining_events_keeps_the_shared_state(

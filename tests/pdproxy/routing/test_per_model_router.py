@@ -193,5 +193,7 @@ async def test_models_never_share_keys_in_redis(
         await client.aclose()
     # Block entries (predictions here) live under each model's own tag; the default router
     # (requests naming no model) keeps only its replica load under the top-level seed's.
-    tags = {k[: k.index(b"}") + 1].decode() for k in keys if k.startswith(b"{") and b":p:" in k}
+    tags = {
+        k[: k.index(b"}") + 1].decode() for k in keys if k.startswith(b"{") and k.endswith(b":pred")
+    }
     assert tags == {"{pdproxy:top/model=alpha}", "{pdproxy:top/model=beta}"}, keys

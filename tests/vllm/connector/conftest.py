@@ -3,8 +3,10 @@
 One pair of vLLM instances for this package, started once (about 1.5 minutes): ``p1`` and
 ``d1``, both ``kv_both`` with the kvtier connector (P2P on loopback, authenticated with a fresh
 secret), and a proxy in front in pdproxy's ``p2p`` dialect, always disaggregating (``p1`` →
-``d1``). Reference outputs come from the same instances with a fresh ``cache_salt``: vLLM then
-computes the whole prompt itself (no prefix-cache hit, no connector).
+``d1``). ``d1`` runs with ``offload_prompts`` (every prompt it computes lands in its host pages,
+so it can answer ``remote_kv_source`` offers); ``p1`` without. Reference outputs come from the
+same instances with a fresh ``cache_salt``: vLLM then computes the whole prompt itself (no
+prefix-cache hit, no connector).
 
 The test that kills ``p1`` runs last (file order: ``test_connector_producer_killed.py``).
 """
@@ -29,7 +31,6 @@ from pdproxy.stack.vllm_engine import (
     VllmConnector,
     VllmInstance,
     VllmRole,
-    free_fixed_port,
     proxy_backend,
     vllm_instance,
 )
@@ -66,8 +67,7 @@ def kvtier_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvtierSta
     sockets = run_dir / "sockets"
     sockets.mkdir(mode=0o700)
     secret = secrets.token_hex(16)
-    p1_port = free_fixed_port()
-    p2p_ports = {"p1": p1_port, "d1": free_fixed_port(exclude={p1_port})}
+    p2p_ports = {"p1": free_port(), "d1": free_port()}
     instances = {
         name: vllm_instance(
             name,
@@ -79,6 +79,8 @@ def kvtier_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvtierSta
             connector=VllmConnector.KVTIER,
             p2p_port=p2p_ports[name],
             p2p_secret=secret,
+            # d1 also holds what it computes alone (remote_kv_source from d1 finds it).
+            kvtier_options={"offload_prompts": True} if name == "d1" else None,
         )
         for name, role in (("p1", VllmRole.PRODUCER), ("d1", VllmRole.CONSUMER))
     }
@@ -160,13 +162,22 @@ LEAK_GAUGES = (
 )
 
 
-def settled_gauges(url: str, attempts: int = 20) -> dict[str, float]:
-    """kvtier's leak gauges once they read zero (or the last reading after ``attempts``).
+SETTLE_S = 30.0
+"""How long leak gauges may take to read zero: past kvtier's ``offer_lease_s`` (10 s), because
+an offer a frozen holder answers only after its puller gave up opens a supply that nobody
+fetches or releases, and only its lease ends it (by design: an offer's supply outlives the
+session that asked, since vLLM's scheduler offers on one connection and its worker fetches on
+another)."""
+
+
+def settled_gauges(url: str, within_s: float = SETTLE_S) -> dict[str, float]:
+    """kvtier's leak gauges once they read zero (or the last reading after ``within_s``).
 
     Gauges are refreshed by engine steps, and a consumer's ``done`` reaches the producer after
-    the answer: a one-token request forces a step, and a few tries bound the wait."""
+    the answer: a one-token request forces a step; polling bounds the wait."""
     gauges: dict[str, float] = {}
-    for _ in range(attempts):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
         complete(url, [7, 8, 9], max_tokens=1, cache_salt=secrets.token_hex(8))
         gauges = {g: vllm_metric(url, g) for g in LEAK_GAUGES}
         if not any(gauges.values()):
