@@ -56,10 +56,9 @@ acceptable. Every holder of the secret is trusted as a producer and a consumer: 
 trust domain. The secret is not rotated by the protocol; rotate it by restarting peers.
 
 *Trusted fabrics.* There is no integrity opt-out: the producer tags a page once per write (not
-per fetch) and the consumer verifies it once, one AES-GCM pass over the page on a worker thread
-(with the GIL released on recent ``cryptography`` releases, so it overlaps the kernel's copy
-and the loop's Python); ``loadtest/bench_p2p`` prints its share of the raw socket's transfer
-time. A private fabric
+per fetch) and the consumer verifies it once, one GMAC pass over the page the moment it
+landed, while it is cache-hot (:mod:`kvtier.p2p.installs` says why not on a thread);
+``loadtest/bench_p2p`` prints its share of the raw socket's transfer time. A private fabric
 still gains from detecting corruption. On a private network with one tenant the secret still
 keeps strangers' processes (e.g. a compromised neighbour container) away from prompt-derived
 pages.
@@ -69,8 +68,8 @@ page keys and tags), ``handshake``, ``admission`` (pre-auth limits, server count
 ``channel`` (zero-copy framed socket I/O, sealed after the handshake), ``supply`` (producer
 registry: references, tags, waits, leases), ``server`` (producer endpoint) + ``serving`` (one
 authenticated session's fetches and offers), ``sessions`` + ``client`` (consumer), ``receive``
-(consumer: one fetch's blocks into the sink's pages), ``installs`` (consumer: verify off the
-loop, commit each verified batch in order), ``sink``
+(consumer: one fetch's blocks into the sink's pages), ``installs`` (consumer: verify each
+page as it lands, commit in arrival order), ``sink``
 (where a consumer installs pages), ``pool_pages`` (adapters to
 ``kvtier.offload.HostPagePool``), ``page_tags`` (tags cached per pool page write), ``tier``
 (the ``SecondaryTier``), ``offer`` (symmetric pull: holder and puller sides, and the

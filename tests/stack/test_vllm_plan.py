@@ -13,7 +13,7 @@ import pytest
 from pdproxy.settings import ProxySettings
 from pdproxy.stack.cli import main as up_main
 from pdproxy.stack.plan import StackOptions
-from pdproxy.stack.vllm_engine import SERVED_NAME, VLLM_BLOCK_SIZE, VllmPaths
+from pdproxy.stack.vllm_engine import NIXL_KV_LEASE_S, SERVED_NAME, VLLM_BLOCK_SIZE, VllmPaths
 from pdproxy.stack.vllm_plan import build_vllm_plan
 
 
@@ -53,6 +53,8 @@ def test_instances_and_proxy_config(tmp_path: Path) -> None:
             "kv_connector": "NixlConnector",
             "kv_role": "kv_producer" if worker.role == "producer" else "kv_consumer",
             "kv_buffer_device": "cpu",
+            # Past a first UCX handshake on loaded CPUs (see NIXL_KV_LEASE_S).
+            "kv_connector_extra_config": {"kv_lease_duration": NIXL_KV_LEASE_S},
         }
         events = json.loads(_flag(argv, "--kv-events-config"))
         assert events["endpoint"] == plan.events[worker.name]

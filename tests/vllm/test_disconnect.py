@@ -39,13 +39,20 @@ def test_client_gone_mid_stream_cancels_both_legs(vllm_stack: VllmStack) -> None
         # take far longer than the 200 chunks allowed here), then leave mid-stream.
         chunks = 0
         decoding = False
+        first_events: list[str] = []
         for line in resp.iter_lines():
-            chunks += line.startswith("data: ")
+            if line.startswith("data: "):
+                chunks += 1
+                if len(first_events) < 4:
+                    first_events.append(line[:300])
             if chunks and chunks % 5 == 0:
                 decoding = _busy(vllm_stack.url("d0")) >= 1
             if decoding or chunks >= 200:
                 break
-        assert decoding, f"d0 never showed a running request in {chunks} chunks"
+        assert decoding, (
+            f"d0 never showed a running request in {chunks} chunks: {first_events} "
+            f"(logs in {vllm_stack.log_dir})"
+        )
     deadline = time.monotonic() + IDLE_WITHIN_S
     while time.monotonic() < deadline:
         if _busy(vllm_stack.url("d0")) == 0 and _busy(vllm_stack.url("p0")) == 0:
