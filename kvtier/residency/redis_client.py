@@ -6,7 +6,8 @@
   (``redis://``, ``rediss://``, ``unix://``) or Redis Cluster (``redis+cluster://host:port``,
   any one node of the cluster; ``rediss+cluster://`` with TLS).
 - :func:`bounded`: one call under one deadline; every Redis failure (or the deadline) becomes
-  :class:`kvtier.errors.ResidencyUnavailable`.
+  :class:`kvtier.errors.ResidencyUnavailable`, and a cancel of the caller that the client ate
+  is raised again (:class:`kvtier.tasks.CallerCancel`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from kvtier.errors import ResidencyUnavailable
+from kvtier.tasks import CallerCancel
 
 T = TypeVar("T")
 
@@ -73,16 +75,22 @@ async def bounded(what: str, deadline_s: float | None, fn: Callable[[], Awaitabl
     The deadline stops the wait, not a script already running inside Redis: that is why the
     scripts' work per call is capped (see :mod:`kvtier.residency.redis_index`).
     """
+    cancel = CallerCancel()
     try:
         if deadline_s is None:
-            return await fn()
-        async with asyncio.timeout(deadline_s):  # no extra task, unlike wait_for
-            return await fn()
+            result = await fn()
+        else:
+            async with asyncio.timeout(deadline_s):  # no extra task, unlike wait_for
+                result = await fn()
     except ResponseError as exc:
+        cancel.check(what, exc)
         raise ResidencyUnavailable(f"redis {what} refused: {exc}") from exc
     except (RedisError, OSError, TimeoutError) as exc:
+        cancel.check(what, exc)
         limit = "" if deadline_s is None else f" within {deadline_s * 1000:.0f} ms"
         raise ResidencyUnavailable(f"redis {what} failed{limit}: {exc!r}") from exc
+    cancel.check(what)
+    return result
 
 
 def _arg(value: bytes | str | int) -> bytes:

@@ -1,12 +1,16 @@
-"""cancel_and_wait: the stopped tasks' cancels are absorbed, the caller's own is not."""
+"""cancel_and_wait: the stopped tasks' cancels are absorbed, the caller's own is not; a cancel a
+client ate inside a call (CallerCancel, used by the Redis boundary) is raised again."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kvtier.tasks import cancel_and_wait
+from kvtier.errors import ResidencyUnavailable
+from kvtier.residency.redis_client import bounded
+from kvtier.tasks import CallerCancel, cancel_and_wait
 
 
 async def _forever() -> None:
@@ -58,3 +62,47 @@ async def test_a_task_that_failed_has_its_error_raised() -> None:
     await asyncio.sleep(0)
     with pytest.raises(ValueError, match="broken"):
         await cancel_and_wait(task, asyncio.create_task(_forever()))
+
+
+class CancelEatingClient:
+    """A client call that catches a cancel landing inside it and then answers, or fails with an
+    error of its own (redis-py 8.1 on Python 3.11 did, after a paused Redis resumed)."""
+
+    def __init__(self, then: str) -> None:
+        self.then = then
+        self.entered = asyncio.Event()
+        self.ate = 0
+
+    async def __call__(self) -> str:
+        self.entered.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            self.ate += 1
+            if self.then == "error":
+                raise RedisConnectionError("connection reset while reading") from None
+        return "answer"
+
+
+@pytest.mark.parametrize("then", ["answer", "error"])
+async def test_a_cancel_the_redis_client_eats_still_cancels_the_caller(then: str) -> None:
+    client = CancelEatingClient(then)
+    caller = asyncio.create_task(bounded("lease", 5.0, client))
+    await client.entered.wait()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert client.ate == 1
+
+
+async def test_the_deadline_a_redis_client_eats_stays_a_failure_or_an_answer() -> None:
+    """bounded's own deadline is not the caller's cancel: an error stays a store failure."""
+    with pytest.raises(ResidencyUnavailable):
+        await bounded("lease", 0.05, CancelEatingClient("error"))
+    assert await bounded("lease", 0.05, CancelEatingClient("answer")) == "answer"
+
+
+async def test_a_call_nobody_cancelled_passes_the_check() -> None:
+    watch = CallerCancel()
+    assert not watch.lost
+    watch.check("nothing")  # no cancel: no-op

@@ -16,9 +16,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvtier.errors import ResidencyUnavailable
+from kvtier.tasks import CallerCancel
 from pdproxy.breaker import BreakerState, CircuitBreaker
 from pdproxy.settings import BreakerSettings
 
@@ -69,8 +70,7 @@ class StoreGuard:
             raise ResidencyUnavailable(f"shared store breaker open ({what} skipped)")
         breaker.on_attempt()
         self._report()
-        task = asyncio.current_task()
-        cancels_before = task.cancelling() if task is not None else 0
+        cancel = CallerCancel()
         try:
             async with asyncio.timeout(self._deadline_s):  # no extra task, unlike wait_for
                 result = await fn()
@@ -78,30 +78,23 @@ class StoreGuard:
             breaker.record_abandoned()
             raise
         except Exception as exc:
-            self._give_back_cancel(task, cancels_before, what, exc)
+            self._give_back_cancel(cancel, what, exc)
             self._failed(what, exc)
             raise ResidencyUnavailable(f"shared store failed on {what}: {exc!r}") from exc
-        self._give_back_cancel(task, cancels_before, what, None)
+        self._give_back_cancel(cancel, what, None)
         self._last_counted = None
         breaker.record_success()
         self._report()
         return result
 
-    def _give_back_cancel(
-        self,
-        task: asyncio.Task[Any] | None,
-        cancels_before: int,
-        what: str,
-        cause: Exception | None,
-    ) -> None:
+    def _give_back_cancel(self, cancel: CallerCancel, what: str, cause: Exception | None) -> None:
         """Raise CancelledError if the caller was cancelled during the call, whatever the client
-        made of it. The Redis client has caught such a cancel and answered anyway, or raised an
-        error of its own (seen on Python 3.11 with redis-py 8 after a paused Redis resumed: a
-        closing router's heartbeat ran on, and close() waited for it forever). The guard's own
-        deadline does not count: ``asyncio.timeout`` takes its cancel back."""
-        if task is not None and task.cancelling() > cancels_before:
+        made of it (the Redis client has answered anyway, or raised an error of its own: a
+        closing router's heartbeat ran on, and close() waited for it forever); not the store's
+        fault, so the breaker counts no failure."""
+        if cancel.lost:
             self._breaker.record_abandoned()
-            raise asyncio.CancelledError(f"{what} cancelled") from cause
+            cancel.check(what, cause)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         breaker = self._breaker
