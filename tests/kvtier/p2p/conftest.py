@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 import xxhash
@@ -29,6 +30,9 @@ from kvtier.p2p.channel import FrameChannel, tune_socket
 from kvtier.p2p.client import FetchResult
 from kvtier.p2p.frames import KvRequestId, PeerNodeId
 from kvtier.p2p.handshake import client_handshake
+
+if TYPE_CHECKING:
+    from .offer_peers import Holder
 
 PAGE = 8192
 FINGERPRINT = LayoutFingerprint("test-model", 4, "uint8", (PAGE, PAGE))
@@ -186,3 +190,22 @@ async def wait_until(pred: Callable[[], bool], timeout: float = 2.0) -> None:
     while not pred():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def holder() -> AsyncIterator[Holder]:
+    """A symmetric-pull holder (:mod:`.offer_peers`, which imports this module: hence the
+    imports inside these two fixtures)."""
+    from .offer_peers import running_holder
+
+    async with running_holder() as h:
+        yield h
+
+
+@pytest.fixture
+async def puller() -> AsyncIterator[tuple[P2PClient, HostPagePool]]:
+    """A symmetric-pull puller over its own pool (:mod:`.offer_peers`)."""
+    from .offer_peers import running_puller
+
+    async with running_puller() as p:
+        yield p

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from hypothesis import given
@@ -26,22 +25,8 @@ from .offer_peers import (
     make_holder,
     make_puller,
     offer_on,
-    running_holder,
-    running_puller,
     warm,
 )
-
-
-@pytest.fixture
-async def holder() -> AsyncIterator[Holder]:
-    async with running_holder() as h:
-        yield h
-
-
-@pytest.fixture
-async def puller() -> AsyncIterator[tuple[P2PClient, HostPagePool]]:
-    async with running_puller() as p:
-        yield p
 
 
 @pytest.mark.parametrize("held", [0, 3, 8])

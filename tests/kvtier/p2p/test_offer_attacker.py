@@ -5,7 +5,6 @@ lacks; every one is refused or closes the session, and the holder pins nothing i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -24,22 +23,8 @@ from .offer_peers import (
     make_puller,
     offer_on,
     rid,
-    running_holder,
-    running_puller,
     warm,
 )
-
-
-@pytest.fixture
-async def holder() -> AsyncIterator[Holder]:
-    async with running_holder() as h:
-        yield h
-
-
-@pytest.fixture
-async def puller() -> AsyncIterator[tuple[P2PClient, HostPagePool]]:
-    async with running_puller() as p:
-        yield p
 
 
 async def test_offer_before_authentication_is_refused(holder: Holder) -> None:
