@@ -17,7 +17,10 @@ In one run, on this machine:
 4. **page MAC check alone**: one thread verifying every page's tag (GMAC), what the consumer
    does once per page: the most an integrity opt-out could save.
 
-Both P2P rows run with integrity on, as in production: authenticated sessions (a shared
+Both P2P rows are measured twice, the consumer verifying payloads on a worker thread and on its
+event loop as each page lands (``P2PSettings.verify_thread``; the default, which this machine's
+CPU count picks, is marked and fills the warm/cold summary). They run with integrity on, as in
+production: authenticated sessions (a shared
 secret), every frame MACed under the session key, every payload's tag (under the producer's
 page key, delivered under the session key) verified by the consumer before the page is
 installed. Targets (issue 15): cold ≥ 0.7x and warm ≥ 0.8x the raw socket. Both ends run on
@@ -165,14 +168,20 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
     source_host = producer.host if isinstance(producer, Producer) else _filled_pages(shape)
     consumer_host = HostPages(shape.blocks, shape.page_bytes)
     identity = LocalIdentity.from_settings("consumer", fingerprint, settings)
+    probe = P2PClient(settings, identity, PoolSink(HostPagePool(consumer_host)))
+    default_mode = "thread" if probe.verifies_on_thread else "loop"
 
-    def client_for(pool: HostPagePool) -> P2PClient:
-        return P2PClient(settings, identity, PoolSink(pool))
+    def client_for(pool: HostPagePool, verify_thread: bool) -> P2PClient:
+        verify = settings.model_copy(update={"verify_thread": verify_thread})
+        return P2PClient(verify, identity, PoolSink(pool))
 
-    async def p2p(kv_request_id: str, keys: list[OffloadKey]) -> tuple[Sample, Sample]:
+    async def p2p(
+        kv_request_id: str, keys: list[OffloadKey], verify_thread: bool
+    ) -> tuple[Sample, Sample]:
         """(producer leg, fetch): the consumer leg starts once the producer has answered."""
         leg = await asyncio.to_thread(producer.prefill, kv_request_id, keys)
-        client = client_for(HostPagePool(consumer_host))  # a consumer holding none of the keys
+        # A consumer holding none of the keys.
+        client = client_for(HostPagePool(consumer_host), verify_thread)
         remote0 = producer_cpu()
         cpu1, t1 = time.process_time(), time.perf_counter()
         try:
@@ -188,7 +197,9 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
         return Sample(leg.wall_s, leg.cpu_s), Sample(t2 - t1, cpu2 - cpu1 + remote)
 
     hasher = BlockHasher("bench-model", shape.block_size)
-    kinds = ("raw", "cold", "warm", "cold_leg", "warm_leg", "mac")
+    modes = {"loop": False, "thread": True}
+    kinds: tuple[str, ...] = ("raw", "cold", "warm", "cold_leg", "warm_leg", "mac")
+    kinds += tuple(f"{kind}_{mode}" for kind in ("cold", "warm") for mode in modes)
     rows: dict[str, list[Sample]] = {k: [] for k in kinds}
     try:
         raw_socket_s(source_host, consumer_host, shape.blocks)  # warm-up: fault pages in
@@ -198,10 +209,16 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
             )
             tokens = [(rep * 7919 + i) % 50_000 for i in range(shape.tokens)]
             keys = [offload_key(h, 0) for h in hasher.hash_tokens(tokens)]
-            for kind in ("cold", "warm"):  # warm: the same prompt again, all in the host pool
-                leg, fetch = await p2p(f"{kind}-{rep}", keys)
-                rows[f"{kind}_leg"].append(leg)
-                rows[kind].append(fetch)
+            # Both verification modes, alternating which goes first; the default's samples
+            # (this machine's CPUs decide) also fill the plain cold/warm rows.
+            order = list(modes) if rep % 2 == 0 else list(reversed(modes))
+            for mode in order:
+                for kind in ("cold", "warm"):  # warm: the same prompt again, in the host pool
+                    leg, fetch = await p2p(f"{kind}-{mode}-{rep}", keys, modes[mode])
+                    rows[f"{kind}_{mode}"].append(fetch)
+                    if mode == default_mode:
+                        rows[f"{kind}_leg"].append(leg)
+                        rows[kind].append(fetch)
             rows["mac"].append(measured(lambda: mac_only_s(source_host, shape.blocks)))
     finally:
         producer.close()
@@ -212,17 +229,25 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
         f"{shape.page_bytes // 1024} KiB; wall: best of {repeat} [median]; CPU: median"
     )
     print(f"{'raw loopback socket (limit)':30} {fmt(raw, shape.total, None)}")
-    print(f"{'P2P fetch, cold producer':30} {fmt(rows['cold'], shape.total, raw)}")
-    print(f"{'P2P fetch, warm producer':30} {fmt(rows['warm'], shape.total, raw)}")
+    for mode in modes:
+        mark = " (default here)" if mode == default_mode else ""
+        print(f"verify on the {mode}{mark}:")
+        for kind in ("cold", "warm"):
+            label = f"  P2P fetch, {kind} producer"
+            print(f"{label:30} {fmt(rows[f'{kind}_{mode}'], shape.total, raw)}")
     print(f"{'page MAC check alone (GMAC)':30} {fmt(rows['mac'], shape.total, raw)}")
     # Each repetition runs raw, cold and warm back to back: paired ratios cancel slow drifts of
     # a shared machine's load better than ratios of independent bests.
-    for kind in ("cold", "warm"):
-        paired = statistics.median(
-            r.wall_s / f.wall_s for r, f in zip(raw, rows[kind], strict=True)
-        )
-        target = 0.7 if kind == "cold" else 0.8
-        print(f"  {kind} fetch vs raw speed, paired median: {paired:.2f}x (target {target}x)")
+    for mode in modes:
+        for kind in ("cold", "warm"):
+            paired = statistics.median(
+                r.wall_s / f.wall_s for r, f in zip(raw, rows[f"{kind}_{mode}"], strict=True)
+            )
+            target = 0.7 if kind == "cold" else 0.8
+            print(
+                f"  {kind} fetch (verify on the {mode}) vs raw speed, paired median: "
+                f"{paired:.2f}x (target {target}x)"
+            )
     mac_share = statistics.median(
         m.wall_s / r.wall_s for r, m in zip(raw, rows["mac"], strict=True)
     )

@@ -15,8 +15,9 @@ answers with ``blocks`` frames (a batch of pages each); every payload is receive
 the page the sink reserved (``recvmsg_into`` across the batch's pages), its key checked against
 the session-MACed header and its payload against the header's page tag, and only then
 committed (I6): a page that fails is aborted, never readable (:mod:`kvtier.p2p.receive`).
-Each payload is verified as soon as it is whole, and the pages one receive completed are
-committed in one step (:mod:`kvtier.p2p.installs`); the sink protocols
+Payload verification runs on one worker thread per client, overlapping the next receive, where
+the process has spare cores, else on the loop as each page lands (``settings.verify_thread``);
+each verified batch is committed in one step (:mod:`kvtier.p2p.installs`); the sink protocols
 are in :mod:`kvtier.p2p.sink`. ``expected_node_id`` (the producer's node id from its
 answer) makes the handshake refuse any other node. A key the sink holds by the time its block
 comes (another fetch installed it meanwhile) has its payload skipped and counts as usable. A key
@@ -33,7 +34,9 @@ producer when fetches run concurrently, at most ``max_sessions_per_peer`` kept i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +70,17 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+_VERIFY_THREAD_FROM_CPUS = 4
+"""From this many usable CPUs a verify thread finds a core of its own (both ends of a fetch on
+two shared cores measured faster verifying on the loop: :mod:`kvtier.p2p.installs`)."""
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +124,11 @@ class P2PClient:
         self.identity = identity
         self.sink = sink
         self._sessions = SessionPool(settings, identity)
+        self._verifier: concurrent.futures.ThreadPoolExecutor | None = None
+        verify_thread = settings.verify_thread
+        if verify_thread is None:
+            verify_thread = _usable_cpus() >= _VERIFY_THREAD_FROM_CPUS
+        self._verify_thread = verify_thread
 
     async def fetch(
         self,
@@ -295,12 +314,23 @@ class P2PClient:
         """Connections opened so far (reuse keeps this low)."""
         return self._sessions.opened
 
+    @property
+    def verifies_on_thread(self) -> bool:
+        """Whether fetched payloads are verified on a worker thread (else on the loop)."""
+        return self._verify_thread
+
     async def close(self) -> None:
-        """Close idle sessions; later fetches open new ones, and close them when done."""
+        """Close idle sessions and the verification thread; later fetches open new ones, and
+        close them when done."""
         self._sessions.close()
+        verifier, self._verifier = self._verifier, None
+        if verifier is not None:
+            verifier.shutdown(wait=False)  # a batch in flight finishes, then the thread ends
 
     def _receiver(self) -> BlockReceiver:
-        return BlockReceiver(self.identity.fingerprint, self.sink)
+        if self._verify_thread and self._verifier is None:
+            self._verifier = concurrent.futures.ThreadPoolExecutor(1, "p2p-verify")
+        return BlockReceiver(self.identity.fingerprint, self.sink, self._verifier)
 
     # ---- one exchange -------------------------------------------------------------------------
 

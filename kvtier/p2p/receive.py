@@ -3,24 +3,25 @@
 :class:`BlockReceiver` reads ``blocks`` headers (each must name exactly the next demanded keys,
 each with its layout's size) and ``fail`` frames until every demanded key is accounted for.
 Every payload is received straight into the page the sink reserved for it (``recvmsg_into``
-across the batch's pages) and handed to :class:`~kvtier.p2p.installs.PageInstaller`, which
-verifies it against the header's page tag as soon as it is whole and only then commits it
-(I6). A key the sink holds by the time its block comes has its payload dropped and counts as
-found meanwhile; a key the sink cannot take (no page to free) ends the usable prefix and the
-exchange (closing beats draining). What happened accumulates in a :class:`FetchProgress`,
-which the client turns into its :class:`~kvtier.p2p.client.FetchResult`.
+across the batch's pages) and handed to :class:`~kvtier.p2p.installs.PendingInstalls`, which
+verifies it against the header's page tag and only then commits it (I6). A key the sink holds
+by the time its block comes has its payload dropped and counts as found meanwhile; a key the
+sink cannot take (no page to free) ends the usable prefix and the exchange (closing beats
+draining). What happened accumulates in a :class:`FetchProgress`, which the client turns into
+its :class:`~kvtier.p2p.client.FetchResult`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.errors import ProtocolError
+from kvtier.errors import P2PError, ProtocolError
 from kvtier.keys import OffloadKey
 from kvtier.p2p.channel import FrameChannel, PeerClosed, UnverifiedPayload
 from kvtier.p2p.frames import BlockBatch, Fail, KvRequestId
-from kvtier.p2p.installs import PageInstaller, Received
+from kvtier.p2p.installs import PendingInstalls, Received
 from kvtier.p2p.layout import LayoutFingerprint
 from kvtier.p2p.sink import ALREADY_HELD, BlockSink, PageReservation
 
@@ -53,9 +54,12 @@ class BlockReceiver:
         self,
         fingerprint: LayoutFingerprint,
         sink: BlockSink,
+        verifier: concurrent.futures.Executor | None,
     ) -> None:
+        """``verifier``: where payloads are verified (None: on the loop, as they land)."""
         self._fingerprint = fingerprint
         self._sink = sink
+        self._verifier = verifier
 
     async def receive(
         self,
@@ -65,8 +69,17 @@ class BlockReceiver:
         progress: FetchProgress,
     ) -> None:
         """Take the producer's answer to a ``fetch`` of ``missing`` (sent by the caller)."""
-        installs = PageInstaller(self._sink, progress.installed)
-        await self._receive_blocks(channel, rid, missing, progress, installs)
+        installs = PendingInstalls(self._verifier, self._sink, progress.installed)
+        try:
+            await self._receive_blocks(channel, rid, missing, progress, installs)
+            await installs.finish()  # IntegrityError: the prefix ends at the page that failed
+        except (P2PError, OSError, TimeoutError) as exc:
+            installs.settle()  # installs what was received whole and verifies
+            if installs.failure is not None and installs.failure is not exc:
+                raise installs.failure from exc  # a forged page says more than what followed
+            raise
+        finally:
+            installs.settle()  # nothing left on success; on cancellation, as above
 
     async def _receive_blocks(
         self,
@@ -74,7 +87,7 @@ class BlockReceiver:
         rid: KvRequestId,
         missing: tuple[OffloadKey, ...],
         progress: FetchProgress,
-        installs: PageInstaller,
+        installs: PendingInstalls,
     ) -> None:
         i = 0
         while i < len(missing):
@@ -111,7 +124,7 @@ class BlockReceiver:
         channel: FrameChannel,
         batch: BlockBatch,
         progress: FetchProgress,
-        installs: PageInstaller,
+        installs: PendingInstalls,
     ) -> bool:
         """Reserve a page for each block of ``batch`` the sink lacks and receive the payloads
         into them (the rest are read and dropped); False when the fetch must stop reading."""
@@ -136,7 +149,7 @@ class BlockReceiver:
                 received = []
                 for j, payload in pages:
                     reservation, reservations[j] = reservations[j], None
-                    if reservation is not None:  # the installer's from here on
+                    if reservation is not None:  # ours from here on: installs commits or aborts
                         received.append(Received(batch.blocks[j].key, reservation, payload))
                 installs.add(received)
 

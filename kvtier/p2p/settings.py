@@ -55,6 +55,10 @@ class P2PSettings(BaseSettings):
     handshake_burst: int = Field(default=64, ge=1)
     """Handshake attempts one source address may make at once (an authenticated handshake
     gives its token back)."""
+    verify_thread: bool | None = None
+    """Consumer: verify fetched pages on a worker thread, overlapping the next receive (True),
+    or each page on the event loop as soon as it lands (False). None: a thread when this process
+    may run on at least 4 CPUs (:mod:`kvtier.p2p.installs` has the measurements)."""
     socket_buffer_bytes: int = Field(default=4 << 20, ge=0)
     """SO_SNDBUF / SO_RCVBUF (0 leaves the kernel default)."""
     released_memory: int = Field(default=4096, ge=0)

@@ -144,9 +144,10 @@ async def make_pair(
     return Pair(producer_pool, consumer_pool, registry, tier, server, client)
 
 
-@pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
-    p = await make_pair()
+@pytest.fixture(params=[False, True], ids=["verify-on-loop", "verify-thread"])
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
+    """Both places a consumer verifies payloads (``P2PSettings.verify_thread``)."""
+    p = await make_pair(client_settings=settings(verify_thread=request.param))
     try:
         yield p
     finally:

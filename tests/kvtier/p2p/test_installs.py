@@ -1,7 +1,17 @@
-"""Consumer installs: each receive's pages are verified as they land and committed together,
-in arrival order (one ``complete_writes``: one listener call per receive)."""
+"""Consumer installs: verified pages are committed one batch at a time, in arrival order.
+
+On a verify thread, a held-back executor (a fake: it runs a submitted verification only when
+the test says so) makes the batches deterministic: pages that arrive while a batch is being
+verified form the next batch, and each batch reaches the pool in one ``complete_writes`` (one
+listener call). Without an executor, each receive's pages are verified and committed at once.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -11,11 +21,27 @@ from kvtier.offload.pool import BytearrayPageBuffer, HostPagePool
 from kvtier.offload.types import LookupResult
 from kvtier.p2p import PoolSink
 from kvtier.p2p.channel import UnverifiedPayload
-from kvtier.p2p.installs import PageInstaller, Received
+from kvtier.p2p.installs import PendingInstalls, Received
 from kvtier.p2p.sealing import PageOpener, PageSealer
 from kvtier.p2p.sink import AlreadyHeld
 
 from .conftest import PAGE, make_keys, payload
+
+
+class HeldBackExecutor(concurrent.futures.Executor):
+    """Runs each submitted job only when :meth:`run_next` is called (in submission order)."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[concurrent.futures.Future[Any], Callable[[], Any]]] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.jobs.append((future, lambda: fn(*args, **kwargs)))
+        return future
+
+    def run_next(self) -> None:
+        future, job = self.jobs.pop(0)
+        future.set_result(job())
 
 
 class Consumer:
@@ -48,18 +74,26 @@ class Consumer:
         return Received(key, reservation, UnverifiedPayload(self.opener, reservation.buffer, tag))
 
 
-def test_each_receive_is_verified_and_committed_as_one_step_in_order() -> None:
+async def _settled() -> None:
+    for _ in range(3):  # the verdict's hand-off to the loop
+        await asyncio.sleep(0)
+
+
+async def test_pages_received_during_a_verification_are_committed_as_one_batch() -> None:
     consumer = Consumer()
-    installs = PageInstaller(consumer.sink, consumer.on_installed)
+    executor = HeldBackExecutor()
+    installs = PendingInstalls(executor, consumer.sink, consumer.on_installed)
     keys = make_keys(4)
-    first = [consumer.received(keys[0])]
-    later = [consumer.received(k) for k in keys[1:]]
-    # Reserved pages are not readable before their receive is verified.
+    installs.add([consumer.received(keys[0])])
+    installs.add([consumer.received(keys[1]), consumer.received(keys[2])])
+    installs.add([consumer.received(keys[3])])
+    assert consumer.commits == []  # nothing readable before it verified
     assert all(consumer.pool.lookup(k) is LookupResult.HIT_PENDING for k in keys)
-    installs.add(first)
-    assert consumer.commits == [((keys[0],), True)]
-    assert consumer.pool.lookup(keys[1]) is LookupResult.HIT_PENDING
-    installs.add(later)
+
+    executor.run_next()  # the first batch: the page that started it
+    await _settled()
+    executor.run_next()  # the second: every page that came meanwhile
+    await installs.finish()
 
     assert consumer.commits == [((keys[0],), True), (tuple(keys[1:]), True)]
     assert consumer.installed == keys and consumer.nbytes == 4 * PAGE
@@ -67,21 +101,26 @@ def test_each_receive_is_verified_and_committed_as_one_step_in_order() -> None:
     ref = consumer.pool.acquire(keys[2])
     assert bytes(ref.view) == payload(keys[2])
     ref.release()
-    assert installs.failure is None
 
 
-def test_a_forged_page_commits_the_verified_prefix_of_its_receive_and_aborts_the_rest() -> None:
+async def test_a_forged_page_commits_the_verified_prefix_of_its_batch_and_aborts_the_rest() -> None:
     consumer = Consumer()
-    installs = PageInstaller(consumer.sink, consumer.on_installed)
+    executor = HeldBackExecutor()
+    installs = PendingInstalls(executor, consumer.sink, consumer.on_installed)
     keys = make_keys(4)
     installs.add([consumer.received(keys[0])])
-    pages = [
-        consumer.received(keys[1]),
-        consumer.received(keys[2], forged=True),
-        consumer.received(keys[3]),
-    ]
+    installs.add(
+        [
+            consumer.received(keys[1]),
+            consumer.received(keys[2], forged=True),
+            consumer.received(keys[3]),
+        ]
+    )
+    executor.run_next()
+    await _settled()
+    executor.run_next()
     with pytest.raises(IntegrityError):
-        installs.add(pages)
+        await installs.finish()
 
     assert consumer.commits == [
         ((keys[0],), True),
@@ -92,9 +131,58 @@ def test_a_forged_page_commits_the_verified_prefix_of_its_receive_and_aborts_the
     assert consumer.installed == keys[:2]
     assert consumer.pool.lookup(keys[2]) is LookupResult.MISS
     assert consumer.pool.lookup(keys[3]) is LookupResult.MISS
-    assert isinstance(installs.failure, IntegrityError)
     late = consumer.received(make_keys(1, start=100)[0])
-    with pytest.raises(IntegrityError):  # a page after the failure is aborted unverified
+    with pytest.raises(IntegrityError):  # a page after the failure is aborted, never queued
+        installs.add([late])
+    assert consumer.pool.lookup(late.key) is LookupResult.MISS
+
+
+async def test_without_an_executor_each_receive_is_verified_and_committed_at_once() -> None:
+    consumer = Consumer()
+    installs = PendingInstalls(None, consumer.sink, consumer.on_installed)
+    keys = make_keys(4)
+    first = [consumer.received(keys[0])]
+    later = [consumer.received(k) for k in keys[1:]]
+    assert all(consumer.pool.lookup(k) is LookupResult.HIT_PENDING for k in keys)
+    installs.add(first)
+    assert consumer.commits == [((keys[0],), True)]
+    assert consumer.pool.lookup(keys[1]) is LookupResult.HIT_PENDING  # not received yet
+    installs.add(later)
+    await installs.finish()
+
+    assert consumer.commits == [((keys[0],), True), (tuple(keys[1:]), True)]
+    assert consumer.installed == keys and consumer.nbytes == 4 * PAGE
+    ref = consumer.pool.acquire(keys[2])
+    assert bytes(ref.view) == payload(keys[2])
+    ref.release()
+
+
+async def test_without_an_executor_a_forged_page_raises_in_its_receive() -> None:
+    consumer = Consumer()
+    installs = PendingInstalls(None, consumer.sink, consumer.on_installed)
+    keys = make_keys(4)
+    installs.add([consumer.received(keys[0])])
+    pages = [
+        consumer.received(keys[1]),
+        consumer.received(keys[2], forged=True),
+        consumer.received(keys[3]),
+    ]
+    with pytest.raises(IntegrityError):  # at once: the fetch stops receiving there
+        installs.add(pages)
+
+    assert consumer.commits == [
+        ((keys[0],), True),
+        ((keys[1],), True),
+        ((keys[2],), False),
+        ((keys[3],), False),
+    ]
+    assert consumer.installed == keys[:2]
+    assert consumer.pool.lookup(keys[3]) is LookupResult.MISS
+    installs.settle()  # the receiver's error path: nothing left to install or abort
+    with pytest.raises(IntegrityError):
+        await installs.finish()
+    late = consumer.received(make_keys(1, start=100)[0])
+    with pytest.raises(IntegrityError):
         installs.add([late])
     assert consumer.pool.lookup(late.key) is LookupResult.MISS
 
