@@ -56,8 +56,8 @@ acceptable. Every holder of the secret is trusted as a producer and a consumer: 
 trust domain. The secret is not rotated by the protocol; rotate it by restarting peers.
 
 *Trusted fabrics.* There is no integrity opt-out: the producer tags a page once per write (not
-per fetch) and the consumer verifies it once, one GMAC pass over the page the moment it
-landed, while it is cache-hot (:mod:`kvtier.p2p.installs` says why not on a thread);
+per fetch) and the consumer verifies it once, one GMAC pass over the page, on a worker thread
+where the process has spare cores, else the moment it landed (:mod:`kvtier.p2p.installs`);
 ``loadtest/bench_p2p`` prints its share of the raw socket's transfer time. A private fabric
 still gains from detecting corruption. On a private network with one tenant the secret still
 keeps strangers' processes (e.g. a compromised neighbour container) away from prompt-derived

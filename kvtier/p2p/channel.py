@@ -212,9 +212,10 @@ class FrameChannel:
 
         ``landed([(i, payload), ...])`` is called once per receive that completed pages, with
         each block ``i`` whose payload is now whole in ``dests[i]``, in order; nobody may use
-        one before :meth:`UnverifiedPayload.verify` returned (the client verifies them right in
-        ``landed``, while they are cache-hot). Each ``recvmsg_into`` fills as many pages as
-        the socket holds; the loop is entered only when it holds none.
+        one before :meth:`UnverifiedPayload.verify` returned (the client verifies them on a
+        worker thread, or right in ``landed``: :mod:`kvtier.p2p.installs`). Each
+        ``recvmsg_into`` fills as many pages as the socket holds; the loop is entered only when
+        it holds none.
         """
         batch = self._pending
         if batch is None:
