@@ -15,7 +15,9 @@ In one run, on this machine:
 3. **P2P warm producer**: the same prompt again: every page is already in the producer's primary
    tier, the P2P tier receives it by cascade (no copy) and reuses its cached tag (no MAC pass).
 4. **page MAC check alone**: one thread verifying every page's tag (GMAC), what the consumer
-   does once per page: the most an integrity opt-out could save.
+   does once per page: the most an integrity opt-out could save. With both ends on this
+   machine's CPUs and the raw transfer keeping them busy, raw CPU / (raw CPU + MAC CPU) is the
+   most a fetch can reach (printed as the CPU-bound ceiling).
 
 Both P2P rows are measured twice, the consumer verifying payloads on a worker thread and on its
 event loop as each page lands (``P2PSettings.verify_thread``; the default, which this machine's
@@ -252,6 +254,16 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
         m.wall_s / r.wall_s for r, m in zip(raw, rows["mac"], strict=True)
     )
     print(f"  consumer MAC check time / raw transfer time, paired median: {mac_share:.2f}")
+    # Where both ends share this machine's CPUs and the raw transfer already keeps them busy,
+    # a fetch cannot beat the raw socket's CPU plus one MAC per page: the integrity ceiling.
+    raw_cpu = statistics.median(r.cpu_s for r in raw)
+    mac_cpu = statistics.median(m.cpu_s for m in rows["mac"])
+    busy = raw_cpu / statistics.median(r.wall_s for r in raw)
+    print(
+        f"  CPU-bound ceiling with both ends here: raw CPU / (raw CPU + MAC CPU) = "
+        f"{raw_cpu / (raw_cpu + mac_cpu):.2f}x (the raw socket kept {busy:.1f} of "
+        f"{_usable_cpus()} CPUs busy; on separate hosts a verify thread hides the MAC)"
+    )
     totals = {
         kind: [
             leg.wall_s + f.wall_s for leg, f in zip(rows[f"{kind}_leg"], rows[kind], strict=True)
@@ -270,6 +282,10 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
         f"(paired median {paired_ratio:.2f})"
     )
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) or 1
 
 
 def main() -> None:

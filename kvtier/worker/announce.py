@@ -26,6 +26,7 @@ import zmq
 
 from kvtier.announce import Announcement, Kind, encode
 from kvtier.events.curve import CurveClient, load_client, make_client
+from kvtier.tasks import cancel_and_wait
 from kvtier.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -168,15 +169,15 @@ class Announcer:
         """Leave (if not yet), then close the socket, letting the last message out."""
         task = self._task
         self.leave()
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._sock is not None:
-            self._sock.close()  # lingers up to _LINGER_MS for the leaving message
-            self._sock = None
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            await asyncio.to_thread(ctx.term)
+        try:
+            await cancel_and_wait(task)  # a cancel of this close is raised after the rest
+        finally:
+            if self._sock is not None:
+                self._sock.close()  # lingers up to _LINGER_MS for the leaving message
+                self._sock = None
+            if self._ctx is not None:
+                ctx, self._ctx = self._ctx, None
+                await asyncio.to_thread(ctx.term)
 
 
 async def _until_listening(host: str, port: int) -> None:
