@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvtier.errors import ResidencyUnavailable
 from kvtier.residency.redis_client import bounded
 from kvtier.tasks import CallerCancel, cancel_and_wait
+from tests.cancel_eating import CancelEatingCall
 
 
 async def _forever() -> None:
@@ -64,29 +64,9 @@ async def test_a_task_that_failed_has_its_error_raised() -> None:
         await cancel_and_wait(task, asyncio.create_task(_forever()))
 
 
-class CancelEatingClient:
-    """A client call that catches a cancel landing inside it and then answers, or fails with an
-    error of its own (redis-py 8.1 on Python 3.11 did, after a paused Redis resumed)."""
-
-    def __init__(self, then: str) -> None:
-        self.then = then
-        self.entered = asyncio.Event()
-        self.ate = 0
-
-    async def __call__(self) -> str:
-        self.entered.set()
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            self.ate += 1
-            if self.then == "error":
-                raise RedisConnectionError("connection reset while reading") from None
-        return "answer"
-
-
 @pytest.mark.parametrize("then", ["answer", "error"])
 async def test_a_cancel_the_redis_client_eats_still_cancels_the_caller(then: str) -> None:
-    client = CancelEatingClient(then)
+    client = CancelEatingCall(then)
     caller = asyncio.create_task(bounded("lease", 5.0, client))
     await client.entered.wait()
     caller.cancel()
@@ -98,8 +78,8 @@ async def test_a_cancel_the_redis_client_eats_still_cancels_the_caller(then: str
 async def test_the_deadline_a_redis_client_eats_stays_a_failure_or_an_answer() -> None:
     """bounded's own deadline is not the caller's cancel: an error stays a store failure."""
     with pytest.raises(ResidencyUnavailable):
-        await bounded("lease", 0.05, CancelEatingClient("error"))
-    assert await bounded("lease", 0.05, CancelEatingClient("answer")) == "answer"
+        await bounded("lease", 0.05, CancelEatingCall("error"))
+    assert await bounded("lease", 0.05, CancelEatingCall("answer")) == "answer"
 
 
 async def test_a_call_nobody_cancelled_passes_the_check() -> None:

@@ -103,6 +103,26 @@ async def test_pages_received_during_a_verification_are_committed_as_one_batch()
     ref.release()
 
 
+def _assert_forged_third_page(
+    consumer: Consumer, installs: PendingInstalls, keys: list[OffloadKey]
+) -> None:
+    """keys[2] was forged: the two before it are installed, it and keys[3] aborted, and a page
+    received after the failure is aborted, never queued."""
+    assert consumer.commits == [
+        ((keys[0],), True),
+        ((keys[1],), True),
+        ((keys[2],), False),
+        ((keys[3],), False),
+    ]
+    assert consumer.installed == keys[:2]
+    assert consumer.pool.lookup(keys[2]) is LookupResult.MISS
+    assert consumer.pool.lookup(keys[3]) is LookupResult.MISS
+    late = consumer.received(make_keys(1, start=100)[0])
+    with pytest.raises(IntegrityError):
+        installs.add([late])
+    assert consumer.pool.lookup(late.key) is LookupResult.MISS
+
+
 async def test_a_forged_page_commits_the_verified_prefix_of_its_batch_and_aborts_the_rest() -> None:
     consumer = Consumer()
     executor = HeldBackExecutor()
@@ -121,20 +141,7 @@ async def test_a_forged_page_commits_the_verified_prefix_of_its_batch_and_aborts
     executor.run_next()
     with pytest.raises(IntegrityError):
         await installs.finish()
-
-    assert consumer.commits == [
-        ((keys[0],), True),
-        ((keys[1],), True),
-        ((keys[2],), False),
-        ((keys[3],), False),
-    ]
-    assert consumer.installed == keys[:2]
-    assert consumer.pool.lookup(keys[2]) is LookupResult.MISS
-    assert consumer.pool.lookup(keys[3]) is LookupResult.MISS
-    late = consumer.received(make_keys(1, start=100)[0])
-    with pytest.raises(IntegrityError):  # a page after the failure is aborted, never queued
-        installs.add([late])
-    assert consumer.pool.lookup(late.key) is LookupResult.MISS
+    _assert_forged_third_page(consumer, installs, keys)
 
 
 async def test_without_an_executor_each_receive_is_verified_and_committed_at_once() -> None:
@@ -169,22 +176,10 @@ async def test_without_an_executor_a_forged_page_raises_in_its_receive() -> None
     ]
     with pytest.raises(IntegrityError):  # at once: the fetch stops receiving there
         installs.add(pages)
-
-    assert consumer.commits == [
-        ((keys[0],), True),
-        ((keys[1],), True),
-        ((keys[2],), False),
-        ((keys[3],), False),
-    ]
-    assert consumer.installed == keys[:2]
-    assert consumer.pool.lookup(keys[3]) is LookupResult.MISS
     installs.settle()  # the receiver's error path: nothing left to install or abort
     with pytest.raises(IntegrityError):
         await installs.finish()
-    late = consumer.received(make_keys(1, start=100)[0])
-    with pytest.raises(IntegrityError):
-        installs.add([late])
-    assert consumer.pool.lookup(late.key) is LookupResult.MISS
+    _assert_forged_third_page(consumer, installs, keys)
 
 
 def test_a_sink_commits_only_its_own_reservations() -> None:

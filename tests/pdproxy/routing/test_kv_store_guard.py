@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.errors import ResidencyUnavailable
 from pdproxy.routing.kv.store_guard import BreakerState, StoreGuard
+from tests.cancel_eating import CancelEatingCall
 
 
 class Clock:
@@ -138,38 +139,18 @@ async def test_success_resets_the_failure_count() -> None:
     assert guard.state is BreakerState.CLOSED
 
 
-class SwallowingStore:
-    """A store client that catches a cancel landing mid-call and then answers (or fails with an
-    error of its own), as the Redis client did after a paused Redis resumed."""
-
-    def __init__(self, then: str) -> None:
-        self.then = then
-        self.entered = asyncio.Event()
-        self.swallowed = 0
-
-    async def __call__(self) -> str:
-        self.entered.set()
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            self.swallowed += 1
-            if self.then == "error":
-                raise ConnectionError("connection reset while reading") from None
-        return "answer"
-
-
 @pytest.mark.parametrize("then", ["answer", "error"])
 async def test_a_cancel_the_client_swallows_still_cancels_the_caller(then: str) -> None:
     """A closing router cancels its heartbeat; if the cancel were lost in the client, the loop
     would run on and close() would wait forever."""
     guard = StoreGuard(deadline_s=5.0, failures=1, cooldown_s=1.0)
-    store = SwallowingStore(then)
+    store = CancelEatingCall(then)
     caller = asyncio.create_task(guard.call(store, "heartbeat"))
     await store.entered.wait()
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
-    assert store.swallowed == 1
+    assert store.ate == 1
     # Not the store's fault: the breaker counts no failure.
     assert guard.state is BreakerState.CLOSED
 
@@ -177,8 +158,8 @@ async def test_a_cancel_the_client_swallows_still_cancels_the_caller(then: str) 
 async def test_the_deadline_a_client_turns_into_its_own_error_is_a_failure() -> None:
     """The guard's own deadline cancel is not the caller's: it stays a store failure."""
     guard = StoreGuard(deadline_s=0.05, failures=1, cooldown_s=1.0)
-    store = SwallowingStore("error")
+    store = CancelEatingCall("error")
     with pytest.raises(ResidencyUnavailable):
         await guard.call(store, "observe")
-    assert store.swallowed == 1
+    assert store.ate == 1
     assert guard.state is BreakerState.OPEN
