@@ -4,16 +4,14 @@ keeps the backend's own name, so a DP=1 backend's keys are the ones written befo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from kvtier.residency.types import NodeId
 from pdproxy.dp_ranks import rank_node
 from pdproxy.routing.base import RequestOutcome, Role
 from pdproxy.routing.dp_router import DpRankRouter
-from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import KvRouterSettings
 
@@ -30,26 +28,13 @@ def settings_for(url: str) -> KvRouterSettings:
     )  # fmt: skip
 
 
-@pytest.fixture
-async def make_router() -> AsyncIterator[Callable[[KvRouterSettings], KvRouter]]:
-    routers: list[KvRouter] = []
-
-    def make(settings: KvRouterSettings) -> KvRouter:
-        r = build_kv_router(settings, metrics_registry=CollectorRegistry())
-        routers.append(r)
-        return r
-
-    try:
-        yield make
-    finally:
-        for r in routers:
-            await r.close()
-
-
 async def test_replicas_agree_on_the_rank_and_share_its_load(
-    redis_url: str, make_router: Callable[[KvRouterSettings], KvRouter]
+    redis_url: str, router_factory: Callable[[KvRouterSettings], KvRouter]
 ) -> None:
-    inner_a, inner_b = make_router(settings_for(redis_url)), make_router(settings_for(redis_url))
+    inner_a, inner_b = (
+        router_factory(settings_for(redis_url)),
+        router_factory(settings_for(redis_url)),
+    )
     a, b = DpRankRouter(inner_a), DpRankRouter(inner_b)
     await a.start()
     await b.start()

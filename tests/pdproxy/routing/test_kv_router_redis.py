@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
-from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from kvtier.events import EventBatch, EventPublisher
 from kvtier.residency.types import NodeId
 from pdproxy.routing.base import RequestOutcome
-from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.store_guard import BreakerState
@@ -55,26 +53,10 @@ async def write_events(router: KvRouter, node: NodeId, batch: EventBatch) -> Non
     await leases.apply(node, batch, seq=0)
 
 
-@pytest.fixture
-async def make_router() -> AsyncIterator[Callable[[KvRouterSettings], KvRouter]]:
-    routers: list[KvRouter] = []
-
-    def make(settings: KvRouterSettings) -> KvRouter:
-        r = build_kv_router(settings, metrics_registry=CollectorRegistry())
-        routers.append(r)
-        return r
-
-    try:
-        yield make
-    finally:
-        for r in routers:
-            await r.close()
-
-
 async def test_two_replicas_make_the_same_choice_and_share_load(
-    redis_url: str, make_router: Callable[[KvRouterSettings], KvRouter]
+    redis_url: str, router_factory: Callable[[KvRouterSettings], KvRouter]
 ) -> None:
-    a, b = make_router(settings_for(redis_url)), make_router(settings_for(redis_url))
+    a, b = router_factory(settings_for(redis_url)), router_factory(settings_for(redis_url))
     await a.start()
     await b.start()
     producers, consumers = pool(3, 2)
@@ -105,14 +87,14 @@ async def test_two_replicas_make_the_same_choice_and_share_load(
 
 
 async def test_late_replica_sees_residency_predictions_and_load_at_once(
-    redis_url: str, make_router: Callable[[KvRouterSettings], KvRouter]
+    redis_url: str, router_factory: Callable[[KvRouterSettings], KvRouter]
 ) -> None:
-    a = make_router(settings_for(redis_url))
+    a = router_factory(settings_for(redis_url))
     await a.start()
     producers, consumers = pool(2, 2)
     prefix = prompt_text(4)
     first = await a.route(text_request(prefix + "x"), producers, consumers)
-    late = make_router(settings_for(redis_url))
+    late = router_factory(settings_for(redis_url))
     await late.start()
     d = await late.route(text_request(prefix + "y"), producers, consumers)
     # The late replica sees a's prediction on the consumer a chose and sends the sibling there.
@@ -123,11 +105,11 @@ async def test_late_replica_sees_residency_predictions_and_load_at_once(
 
 async def test_redis_killed_mid_run_falls_back_and_recovers(
     own_redis: RedisServer,
-    make_router: Callable[[KvRouterSettings], KvRouter],
+    router_factory: Callable[[KvRouterSettings], KvRouter],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     always_pd = {"max_suffix_tokens": 0, "min_hit_ratio": 1.0}
-    router = make_router(
+    router = router_factory(
         settings_for(own_redis.url, breaker_cooldown_s=0.2, local_prefill=always_pd)
     )
     await router.start()
@@ -191,12 +173,12 @@ async def test_redis_killed_mid_run_falls_back_and_recovers(
 
 
 async def test_decision_reloads_scripts_redis_lost(
-    own_redis: RedisServer, make_router: Callable[[KvRouterSettings], KvRouter]
+    own_redis: RedisServer, router_factory: Callable[[KvRouterSettings], KvRouter]
 ) -> None:
     """The load read rides on the match's round trip by SHA; after Redis lost its scripts (a
     restart or failover does; SCRIPT FLUSH here) the decision loads it and still reads the
     shared state: no fallback, the first decision's charge is seen."""
-    router = make_router(settings_for(own_redis.url, redis_deadline_s=1.0))
+    router = router_factory(settings_for(own_redis.url, redis_deadline_s=1.0))
     await router.start()
     producers, consumers = pool(2, 2)
     prefix = prompt_text(8)
@@ -217,9 +199,9 @@ async def test_decision_reloads_scripts_redis_lost(
 
 
 async def test_paused_redis_costs_a_deadline_not_a_hang(
-    own_redis: RedisServer, make_router: Callable[[KvRouterSettings], KvRouter]
+    own_redis: RedisServer, router_factory: Callable[[KvRouterSettings], KvRouter]
 ) -> None:
-    router = make_router(settings_for(own_redis.url, breaker_cooldown_s=10))
+    router = router_factory(settings_for(own_redis.url, breaker_cooldown_s=10))
     await router.start()
     producers, consumers = pool(2, 2)
     own_redis.pause()
@@ -244,12 +226,12 @@ async def test_paused_redis_costs_a_deadline_not_a_hang(
 
 
 async def test_late_replica_joining_events_keeps_the_shared_state(
-    redis_url: str, make_router: Callable[[KvRouterSettings], KvRouter]
+    redis_url: str, router_factory: Callable[[KvRouterSettings], KvRouter]
 ) -> None:
     prefix = prompt_text(7)
     async with EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=2) as pub:
         feeds = {"events": {"p1": pub.endpoint}, "replay": {"p1": pub.replay_endpoint}}
-        early = make_router(settings_for(redis_url, **feeds))
+        early = router_factory(settings_for(redis_url, **feeds))
         await early.start()
         producers, consumers = pool(2, 1)
         hashes = early.hasher.hash_tokens(list(prefix.encode()))
@@ -260,7 +242,7 @@ async def test_late_replica_joining_events_keeps_the_shared_state(
             await asyncio.sleep(0.05)
         for i in range(4):  # the replay buffer moves past what a late subscriber could replay
             await pub.publish(stored(prompt_text(50 + i)))
-        late = make_router(settings_for(redis_url, **feeds))
+        late = router_factory(settings_for(redis_url, **feeds))
         await late.start()
         sub = late.feeds.subscriber("p1")
         assert sub is not None
@@ -273,12 +255,12 @@ async def test_late_replica_joining_events_keeps_the_shared_state(
 
 
 async def test_two_replicas_share_state_over_a_redis_cluster(
-    redis_cluster_url: str, make_router: Callable[[KvRouterSettings], KvRouter]
+    redis_cluster_url: str, router_factory: Callable[[KvRouterSettings], KvRouter]
 ) -> None:
     """The same sharing over a real 3-master Redis Cluster (``redis+cluster://``)."""
     # A generous deadline: a cluster client discovers the slots on its first call.
     cluster = settings_for(redis_cluster_url, model_seed="clu}ster{", redis_deadline_s=1.0)
-    a, b = make_router(cluster), make_router(cluster)
+    a, b = router_factory(cluster), router_factory(cluster)
     await a.start()
     await b.start()
     producers, consumers = pool(3, 2)
