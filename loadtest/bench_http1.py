@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -33,6 +32,7 @@ from functools import partial
 import aiohttp
 import orjson
 
+from loadtest.child import child_process
 from pdproxy.http1 import HostPool
 from pdproxy.origin import split_url
 from pdproxy.settings import UpstreamSettings
@@ -177,16 +177,8 @@ async def _cell(
 def _fake_engine(port: int) -> Iterator[None]:
     argv = [sys.executable, "-m", "loadtest.fake_backend", "--chunks", "64",
             "--listen", f"D={port}"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    try:
+    with child_process(argv):
         yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 async def _wait_ready(url: str) -> None:

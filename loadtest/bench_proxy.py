@@ -31,16 +31,16 @@ import asyncio
 import contextlib
 import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
 import aiohttp
 import orjson
 
+from loadtest.child import child_process
 from loadtest.otlp_sink import OtlpSink
 from pdproxy.stack.ports import free_port
 
@@ -163,22 +163,6 @@ async def _run_cell(
     return latencies, ttfcs, errors, time.perf_counter() - t_start
 
 
-@contextlib.contextmanager
-def _process(
-    args: list[str], env: dict[str, str] | None = None, cwd: str | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, cwd=cwd)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 async def _wait_ready(session: aiohttp.ClientSession, url: str) -> None:
     for _ in range(400):
         with contextlib.suppress(aiohttp.ClientError):
@@ -252,14 +236,16 @@ async def _bench(args: argparse.Namespace) -> list[Cell]:
             "OTEL_EXPORTER_OTLP_TIMEOUT": "1000",
         }
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_process(backends))
+        stack.enter_context(child_process(backends))
         argv = _proxy_argv(x_port, p_url, d_url)
-        pids = {"pdproxy": stack.enter_context(_process(argv, proxy_env))}
+        pids = {"pdproxy": stack.enter_context(child_process(argv, env=proxy_env))}
         if baseline_tree:
             # ``-m`` puts the working directory first on sys.path: run it from the other tree.
             old_env = {**env, "PYTHONPATH": baseline_tree}
             argv = _proxy_argv(b_port, p_url, d_url)
-            pids["baseline"] = stack.enter_context(_process(argv, old_env, cwd=baseline_tree))
+            pids["baseline"] = stack.enter_context(
+                child_process(argv, env=old_env, cwd=baseline_tree)
+            )
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             await _wait_ready(session, p_url + "/health")

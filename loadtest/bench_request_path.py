@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from loadtest.bench_proxy import _process
+from loadtest.child import child_process
 from pdproxy.stack.ports import free_port
 
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     backends = [sys.executable, "-m", "loadtest.fake_backend", "--chunks", "64",
                 "--listen", f"P={p_port}", "--listen", f"D={d_port}"]  # fmt: skip
     results: dict[tuple[str, bool], list[dict[str, float]]] = {}
-    with _process(backends):
+    with child_process(backends):
         time.sleep(1.5)
         for _ in range(args.rounds):
             for stream in (False, True):

@@ -26,31 +26,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import yaml
 
+from loadtest.child import child_process
 from pdproxy.stack.ports import free_port
 
 
-@contextmanager
-def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def _process(argv: list[str], log: Path) -> AbstractContextManager[subprocess.Popen[bytes]]:
+    """A child without the caller's KVTIER_/PDPROXY_ settings (each run sets its own)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "PDPROXY_"))}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    return child_process(argv, env=env, log=log)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:

@@ -41,7 +41,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from loadtest.bench_proxy import _pct, _process, _run_cell, _wait_ready
+from loadtest.bench_proxy import _pct, _run_cell, _wait_ready
+from loadtest.child import child_process
 from pdproxy.stack.ports import free_port
 
 ROUTER_VERSION = "0.1.17"
@@ -258,7 +259,7 @@ def _router_argv(binary: Path, port: int, p_url: str, d_url: str) -> list[str]:
 
 @contextlib.contextmanager
 def _quiet_process(argv: list[str], env: dict[str, str], cwd: str | None = None) -> Iterator[int]:
-    with _process(argv, env, cwd) as proc:
+    with child_process(argv, env=env, cwd=cwd) as proc:
         yield proc.pid
 
 
@@ -275,7 +276,7 @@ async def _bench(args: argparse.Namespace) -> tuple[list[Load], list[str], Resul
     loads = [load for load in _LOADS if not load.wrk or args.wrk]
     results: Results = {}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        stack.enter_context(_process(backends))
+        stack.enter_context(child_process(backends))
         targets: list[Target] = []
         port = free_port()
         argv = _router_argv(args.router_binary, port, p_url, d_url)

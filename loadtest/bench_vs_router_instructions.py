@@ -27,8 +27,9 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_proxy import _process, _run_cell, _wait_ready
+from loadtest.bench_proxy import _run_cell, _wait_ready
 from loadtest.bench_vs_router import _body, _post
+from loadtest.child import child_process
 from pdproxy.stack.ports import free_port
 
 
@@ -45,7 +46,7 @@ async def _instructions(
     env = {**os.environ, "PDPROXY_HEALTH__ENABLED": "false", "PYTHONPATH": str(tree)}
     url = f"http://127.0.0.1:{port}/v1/completions"
     body = _body(args.stream, 64 if args.stream else 16)
-    with _process(argv, env, cwd=str(tree)) as proc:
+    with child_process(argv, env=env, cwd=str(tree)) as proc:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await _wait_up(session, f"http://127.0.0.1:{port}/health")
             call = partial(_post, session, url, body)
@@ -85,7 +86,7 @@ async def _bench(args: argparse.Namespace, trees: dict[str, Path]) -> dict[str, 
     backends = [sys.executable, "-m", "loadtest.fake_backend",
                 "--listen", f"P={p_port}", "--listen", f"D={d_port}"]  # fmt: skip
     results: dict[str, float] = {}
-    with _process(backends), tempfile.TemporaryDirectory() as tmp:
+    with child_process(backends), tempfile.TemporaryDirectory() as tmp:
         async with aiohttp.ClientSession() as session:
             for url in (p_url, d_url):
                 await _wait_ready(session, url + "/health")
