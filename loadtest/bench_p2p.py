@@ -28,12 +28,15 @@ page key, delivered under the session key) verified by the consumer before the p
 installed. Targets (issue 15): cold ≥ 0.7x and warm ≥ 0.8x the raw socket. Both ends run on
 uvloop by default, as the worker does under uvicorn (``--loop asyncio`` for the stdlib loop).
 
-The producer (``loadtest.p2p_producer``) runs on threads of this process by default (its Python
-then competes with the consumer's for one interpreter lock, which no deployment does; on a
-busy 2-core machine this measured no worse than ``--ends processes``, which gives it its own
-process as a prefill worker has); its server has its own event loop thread, the consumer runs
-on the main loop; pools are ``kvtier.pages.HostPages`` (pinned when CUDA is present) behind
-``HostPagePool``. CPU columns add the producer process's CPU time during the fetch. Prints GB/s,
+The producer (``loadtest.p2p_producer``) runs in its own process by default, as a prefill
+worker does (``--ends threads`` runs it on threads of this process: both ends' Python then
+competes for one interpreter lock, which no deployment does; on this 2-core machine that
+measured 0.5-0.6x where its own process measured 0.6-0.85x); its server has its own event loop
+thread, the consumer runs on the main loop; pools are ``kvtier.pages.HostPages`` (pinned when
+CUDA is present) behind ``HostPagePool``. Both processes freeze their startup heap once set up,
+as the worker's main does (:func:`kvtier.heap.freeze_startup_heap`), so that no collection
+walks torch's objects during a row (one took 58 ms, longer than a raw transfer). CPU columns
+add the producer process's CPU time during the fetch. Prints GB/s,
 the ratio to the raw socket, and warm/cold time (best of ``--repeat``; medians in brackets).
 """
 
@@ -51,6 +54,7 @@ from dataclasses import dataclass
 
 from pydantic import SecretStr
 
+from kvtier.heap import freeze_startup_heap
 from kvtier.keys import BlockHasher, OffloadKey, offload_key
 from kvtier.offload import HostPagePool
 from kvtier.p2p import LayoutFingerprint, LocalIdentity, P2PClient, P2PSettings, PoolSink
@@ -176,6 +180,7 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
     identity = LocalIdentity.from_settings("consumer", fingerprint, settings)
     probe = P2PClient(settings, identity, PoolSink(HostPagePool(consumer_host)))
     default_mode = "thread" if probe.verifies_on_thread else "loop"
+    freeze_startup_heap()  # as the worker's main does (the producer process does its own)
 
     def client_for(pool: HostPagePool, verify_thread: bool) -> P2PClient:
         verify = settings.model_copy(update={"verify_thread": verify_thread})
@@ -301,8 +306,8 @@ def main() -> None:
     parser.add_argument(
         "--ends",
         choices=("processes", "threads"),
-        default="threads",
-        help="producer on threads of this process, or in its own (as deployed)",
+        default="processes",
+        help="producer in its own process (as deployed), or on threads of this one",
     )
     parser.add_argument(
         "--loop",

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 import torch
 import uvloop
 
+from kvtier.heap import freeze_startup_heap
 from kvtier.keys import OffloadKey
 from kvtier.offload import HostPagePool, TieringManager
 from kvtier.offload.types import ReqContext, RequestId
@@ -181,6 +182,7 @@ def _serve_producer(
     conn: Connection, shape: Shape, fingerprint: LayoutFingerprint, settings: P2PSettings, loop: str
 ) -> None:
     producer = Producer(shape, fingerprint, settings, loop)
+    freeze_startup_heap()  # as a worker's main does once it started
     try:
         while True:
             command = conn.recv()

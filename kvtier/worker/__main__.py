@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from kvtier.heap import freeze_startup_heap
 from kvtier.worker.server.app import create_app
 from kvtier.worker.server.graceful import serve_worker
 from kvtier.worker.settings import WorkerSettings, settings_error_text
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
     app = create_app(settings)
+    freeze_startup_heap()
     print(
         f"kvtier worker: role={settings.role} model={settings.model} "
         f"http://{settings.host}:{settings.port}",
