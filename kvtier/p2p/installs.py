@@ -12,16 +12,18 @@ cores this process may use (``P2PSettings.verify_thread``):
   round trip per batch, not per page. A batch is committed on the loop as soon as its
   verification ends.
 - **on the loop, the moment a receive completed its pages** (executor None: the default below 4
-  CPUs), while they are still in the CPU cache. With no spare core the thread's MAC competes
-  with the receive anyway, reads the pages from DRAM again and adds a hand-off per batch: in six
-  alternating runs of ``loadtest.bench_p2p`` on 2 shared cores (256 MiB, paired medians against
-  the raw socket of the same run) the thread measured cold 0.60x and warm 0.61x, verifying on
-  arrival 0.69x and 0.67x, at less CPU (1.43-1.68x the raw socket's, was 1.51-1.74x). The loop
-  is held for one receive's pages (about 512 KiB: one such page, ~25 µs).
+  CPUs), while they are still in the CPU cache; they are committed together when the batch they
+  came in ends (:meth:`PendingInstalls.commit_verified`: a receive completes about one page, and
+  a commit per page ran the pool's listeners per page). With no spare core the thread's MAC
+  competes with the receive anyway, reads the pages from DRAM again and adds a hand-off per
+  batch: in six alternating runs of ``loadtest.bench_p2p`` on 2 shared cores (256 MiB, paired
+  medians against the raw socket of the same run) the thread measured cold 0.60x and warm
+  0.61x, verifying on arrival 0.69x and 0.67x, at less CPU (1.43-1.68x the raw socket's, was
+  1.51-1.74x). The loop is held for one receive's pages (about 512 KiB: one such page, ~25 µs).
 
 Either way each verified run is committed in one :meth:`~kvtier.p2p.sink.BlockSink.commit`, so
-pages of a producer that is still computing become readable as they arrive and the pool's
-listeners run once per batch.
+pages of a producer that is still computing become readable as their batches arrive and the
+pool's listeners run once per batch.
 
 Invariant (I6): a reservation is committed (the page becomes readable) only after its payload
 verified, in the order the pages arrived; a page that fails is aborted together with every page
@@ -93,6 +95,8 @@ class PendingInstalls:
         self._on_installed = on_installed
         self._loop = asyncio.get_running_loop()
         self._queued: list[Received] = []
+        self._uncommitted: list[Received] = []
+        """Verified on the loop, not committed yet (only without an executor)."""
         self._batch: list[Received] = []
         self._running: concurrent.futures.Future[_Verdict] | None = None
         self._idle = asyncio.Event()
@@ -108,25 +112,38 @@ class PendingInstalls:
         """Queue received pages, in arrival order (their reservations are ours from here on).
 
         Raises the IntegrityError of an earlier page that failed (these are aborted then);
-        without an executor, the pages are verified and committed here, and a page of theirs
-        that fails raises at once.
+        without an executor, the pages are verified here (committed by
+        :meth:`commit_verified`), and a page of theirs that fails raises at once, the pages
+        verified before it committed.
         """
         if self._failure is not None:
             _abort(pages)
             raise self._failure
         if self._executor is None:
             landed = list(pages)
-            self._install(landed, _verify_batch(landed))
-            if self._failure is not None:
+            verdict = _verify_batch(landed)
+            self._uncommitted.extend(landed)
+            if verdict.failed_at is not None:
+                failed_at = len(self._uncommitted) - len(landed) + verdict.failed_at
+                verified, self._uncommitted = self._uncommitted, []
+                self._install(verified, _Verdict(failed_at, verdict.reason))
+                assert self._failure is not None
                 raise self._failure
             return
         self._queued.extend(pages)
         if self._running is None and self._queued:
             self._start()
 
+    def commit_verified(self) -> None:
+        """Commit the pages verified on the loop so far, in one step (the receiver calls this
+        when a batch's payloads are in; with an executor, batches commit as they verify)."""
+        verified, self._uncommitted = self._uncommitted, []
+        self._install(verified, _Verdict(None))
+
     async def finish(self) -> None:
         """Wait until every queued page is verified and installed (IntegrityError at the first
         that fails: it and every later page are aborted)."""
+        self.commit_verified()
         await self._idle.wait()
         if self._failure is not None:
             raise self._failure
@@ -136,6 +153,7 @@ class PendingInstalls:
         was received whole and verifies, in order, and abort the rest from the first that does
         not. Synchronous: it waits for the batch on the worker thread (a few milliseconds at
         most) rather than leave pages a later caller cannot account for. Idempotent."""
+        self.commit_verified()
         running, batch = self._running, self._batch
         queued = self._queued
         self._running, self._batch, self._queued = None, [], []

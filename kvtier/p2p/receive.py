@@ -155,6 +155,7 @@ class BlockReceiver:
 
             dests = [None if r is None else r.buffer for r in reservations]
             await channel.receive_blocks_into(dests, landed)
+            installs.commit_verified()  # the batch's pages that were verified as they landed
             return True
         finally:
             for reservation in reservations:  # not handed to installs: never readable

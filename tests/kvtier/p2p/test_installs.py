@@ -3,7 +3,8 @@
 On a verify thread, a held-back executor (a fake: it runs a submitted verification only when
 the test says so) makes the batches deterministic: pages that arrive while a batch is being
 verified form the next batch, and each batch reaches the pool in one ``complete_writes`` (one
-listener call). Without an executor, each receive's pages are verified and committed at once.
+listener call). Without an executor, each receive's pages are verified at once and committed
+when their batch ends.
 """
 
 from __future__ import annotations
@@ -144,24 +145,37 @@ async def test_a_forged_page_commits_the_verified_prefix_of_its_batch_and_aborts
     _assert_forged_third_page(consumer, installs, keys)
 
 
-async def test_without_an_executor_each_receive_is_verified_and_committed_at_once() -> None:
+async def test_without_an_executor_pages_verify_as_they_land_and_commit_per_batch() -> None:
     consumer = Consumer()
     installs = PendingInstalls(None, consumer.sink, consumer.on_installed)
-    keys = make_keys(4)
-    first = [consumer.received(keys[0])]
-    later = [consumer.received(k) for k in keys[1:]]
-    assert all(consumer.pool.lookup(k) is LookupResult.HIT_PENDING for k in keys)
+    keys = make_keys(5)
+    first, second = [consumer.received(keys[0])], [consumer.received(keys[1])]
+    later = [consumer.received(k) for k in keys[2:]]
     installs.add(first)
-    assert consumer.commits == [((keys[0],), True)]
-    assert consumer.pool.lookup(keys[1]) is LookupResult.HIT_PENDING  # not received yet
+    installs.add(second)
+    assert consumer.commits == []  # verified, not readable until its batch is in
+    assert all(consumer.pool.lookup(k) is LookupResult.HIT_PENDING for k in keys)
+    installs.commit_verified()  # the receiver: the batch's payloads are all in
+    assert consumer.commits == [((keys[0], keys[1]), True)]
+    assert consumer.pool.lookup(keys[2]) is LookupResult.HIT_PENDING  # not received yet
     installs.add(later)
-    await installs.finish()
+    await installs.finish()  # commits what the last batch verified
 
-    assert consumer.commits == [((keys[0],), True), (tuple(keys[1:]), True)]
-    assert consumer.installed == keys and consumer.nbytes == 4 * PAGE
-    ref = consumer.pool.acquire(keys[2])
-    assert bytes(ref.view) == payload(keys[2])
+    assert consumer.commits == [((keys[0], keys[1]), True), (tuple(keys[2:]), True)]
+    assert consumer.installed == keys and consumer.nbytes == 5 * PAGE
+    ref = consumer.pool.acquire(keys[3])
+    assert bytes(ref.view) == payload(keys[3])
     ref.release()
+
+
+async def test_without_an_executor_settle_commits_the_pages_already_verified() -> None:
+    consumer = Consumer()
+    installs = PendingInstalls(None, consumer.sink, consumer.on_installed)
+    keys = make_keys(2)
+    installs.add([consumer.received(k) for k in keys])
+    installs.settle()  # the connection broke before the batch ended: they are whole and verified
+    assert consumer.commits == [(tuple(keys), True)]
+    assert consumer.installed == keys
 
 
 async def test_without_an_executor_a_forged_page_raises_in_its_receive() -> None:
@@ -169,6 +183,7 @@ async def test_without_an_executor_a_forged_page_raises_in_its_receive() -> None
     installs = PendingInstalls(None, consumer.sink, consumer.on_installed)
     keys = make_keys(4)
     installs.add([consumer.received(keys[0])])
+    installs.commit_verified()  # the first batch ended
     pages = [
         consumer.received(keys[1]),
         consumer.received(keys[2], forged=True),
