@@ -19,7 +19,11 @@ cores this process may use (``P2PSettings.verify_thread``):
   batch: in six alternating runs of ``loadtest.bench_p2p`` on 2 shared cores (256 MiB, paired
   medians against the raw socket of the same run) the thread measured cold 0.60x and warm
   0.61x, verifying on arrival 0.69x and 0.67x, at less CPU (1.43-1.68x the raw socket's, was
-  1.51-1.74x). The loop is held for one receive's pages (about 512 KiB: one such page, ~25 µs).
+  1.51-1.74x); those runs had both ends in one process. With the producer in its own process
+  (the benchmark's default since), 7 runs gave medians of cold 0.70x and warm 0.88x on the
+  thread, 0.72x and 0.71x on the loop, each swinging ±0.15: the default is kept until a host
+  with spare cores measures it. The loop is held for one receive's pages (about 512 KiB: one
+  such page, ~25 µs).
 
 Either way each verified run is committed in one :meth:`~kvtier.p2p.sink.BlockSink.commit`, so
 pages of a producer that is still computing become readable as their batches arrive and the
