@@ -2,9 +2,9 @@
 
 Control frames are read exactly (prefix, then body) so no payload byte is ever buffered here.
 A batch's payloads go straight from the socket into the caller's destination pages with
-``recvmsg_into`` (one call fills the pages of about :data:`_IO_CHUNK_BYTES` that the socket
+``recvmsg_into`` (one call fills the pages of about :data:`IO_CHUNK_BYTES` that the socket
 holds; ``loop.sock_recv_into`` waits when it holds none) and from page memory to the socket with
-``sendmsg`` of the header and the payloads, about :data:`_IO_CHUNK_BYTES` per call
+``sendmsg`` of the header and the payloads, about :data:`IO_CHUNK_BYTES` per call
 (``loop.sock_sendall`` when the socket is full). One header per batch
 rather than per page saves the per-page frame, seal, parse and syscalls that dominated the
 consumer's event loop. ``StreamReader.readexactly`` copies every chunk and measured 5-10x
@@ -47,7 +47,7 @@ from kvtier.p2p.sealing import TAG_BYTES, Opener, PageOpener, PageSealer, PageTa
 
 _IOV_MAX = 512
 """Buffers per ``sendmsg``/``recvmsg_into`` call (Linux allows 1024)."""
-_IO_CHUNK_BYTES = 512 << 10
+IO_CHUNK_BYTES = 512 << 10
 """About how many bytes one ``sendmsg``/``recvmsg_into`` offers the kernel (buffers are added
 until they hold this much; at least one). Why not the whole batch: a receive that may drain the
 socket buffer at once (up to 8 MiB) and a send of a whole batch make the two ends take turns
@@ -223,7 +223,7 @@ class FrameChannel:
         one before :meth:`UnverifiedPayload.verify` returned (the client verifies them on a
         worker thread, or right in ``landed``: :mod:`kvtier.p2p.installs`). Each
         ``recvmsg_into`` fills what the socket holds, up to about 512 KiB of pages (a
-        :data:`_IO_CHUNK_BYTES` window); the loop is entered only when
+        :data:`IO_CHUNK_BYTES` window); the loop is entered only when
         it holds none.
         """
         batch = self._pending
@@ -349,10 +349,10 @@ class FrameChannel:
 
 def _chunk_end(buffers: list[memoryview], start: int) -> int:
     """End of the run of ``buffers`` from ``start`` that one I/O call moves: buffers until they
-    hold :data:`_IO_CHUNK_BYTES` (a small header goes with the page after it), at most
+    hold :data:`IO_CHUNK_BYTES` (a small header goes with the page after it), at most
     :data:`_IOV_MAX`."""
     end = start
-    budget = _IO_CHUNK_BYTES
+    budget = IO_CHUNK_BYTES
     limit = min(len(buffers), start + _IOV_MAX)
     while end < limit and budget > 0:
         budget -= len(buffers[end])
