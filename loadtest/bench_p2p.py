@@ -31,7 +31,7 @@ uvloop by default, as the worker does under uvicorn (``--loop asyncio`` for the 
 The producer (``loadtest.p2p_producer``) runs in its own process by default, as a prefill
 worker does (``--ends threads`` runs it on threads of this process: both ends' Python then
 competes for one interpreter lock, which no deployment does; on this 2-core machine that
-measured 0.5-0.6x where its own process measured 0.6-0.85x); its server has its own event loop
+measured 0.37-0.66x where its own process measured 0.56-0.87x); its server has its own event loop
 thread, the consumer runs on the main loop; pools are ``kvtier.pages.HostPages`` (pinned when
 CUDA is present) behind ``HostPagePool``. Both processes freeze their startup heap once set up,
 as the worker's main does (:func:`kvtier.heap.freeze_startup_heap`), so that no collection
