@@ -8,6 +8,12 @@ In one run, on this machine:
 1. **raw socket** (the limit): two threads, blocking sockets, ``sendall`` from the producer's host
    pages and ``recv_into`` the consumer's host pages — the same bytes, the same page sizes, the
    same socket buffer sizes, and at most as many bytes per call as P2P moves.
+   **raw socket + page MAC** (the integrity floor): the same, the receiver verifying each
+   page's tag (GMAC under a page key) the moment the page is whole, on its receiving thread
+   (no protocol, no pool). A receiver that verifies every page where it receives pays at
+   least this, so on a machine with no spare core for a verify thread its ratio to the raw
+   socket bounds what P2P with integrity on can reach, and P2P's ratio to it is what the
+   protocol itself costs.
 2. **P2P cold producer**: the producer leg runs its prefill (``prepare_store`` → device→host page
    copies → ``complete_store``) on an engine thread; each page is tagged under the producer's
    page key when it is supplied. The consumer's fetch starts once the leg returned (as the proxy
@@ -51,6 +57,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from pydantic import SecretStr
 
@@ -59,7 +66,7 @@ from kvtier.keys import BlockHasher, OffloadKey, offload_key
 from kvtier.offload import HostPagePool
 from kvtier.p2p import LayoutFingerprint, LocalIdentity, P2PClient, P2PSettings, PoolSink
 from kvtier.p2p.channel import IO_CHUNK_BYTES
-from kvtier.p2p.sealing import PageOpener, PageSealer
+from kvtier.p2p.sealing import PageOpener, PageSealer, PageTag
 from kvtier.pages import HostPages
 from loadtest.p2p_producer import LOOPS, Producer, ProducerProcess, Shape
 
@@ -71,10 +78,29 @@ ProducerEnd = Producer | ProducerProcess
 # ---- 1. raw socket ----------------------------------------------------------------------------
 
 
-def raw_socket_s(src: HostPages, dst: HostPages, pages: int) -> float:
+@dataclass(frozen=True, slots=True)
+class PageCheck:
+    """What the raw receiver verifies, as a consumer does: each page's tag under a page key."""
+
+    opener: PageOpener
+    tags: list[PageTag]
+
+
+def page_check(pages: HostPages, count: int) -> PageCheck:
+    """Tags of the source pages (outside any timed row: a producer tags once per write)."""
+    sealer = PageSealer()
+    return PageCheck(PageOpener(sealer.key), [sealer.tag(pages.page_view(i)) for i in range(count)])
+
+
+def raw_socket_s(
+    src: HostPages, dst: HostPages, pages: int, check: PageCheck | None = None
+) -> float:
     """Seconds to move ``pages`` pages over a plain loopback TCP connection, at most
     :data:`~kvtier.p2p.channel.IO_CHUNK_BYTES` per call as P2P does (a larger page in one call
-    was slower here: 1 MiB pages 4.1 GiB/s, 512 KiB pages 5-6.7)."""
+    was slower here: 1 MiB pages 4.1 GiB/s, 512 KiB pages 5-6.7).
+
+    With ``check`` the receiver verifies each page's tag the moment it is whole: the
+    integrity floor, what any verifying receiver costs (the copy and the MAC, no protocol)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -104,6 +130,8 @@ def raw_socket_s(src: HostPages, dst: HostPages, pages: int) -> float:
                 if n == 0:
                     raise ConnectionError("sender closed early")
                 got += n
+            if check is not None:
+                check.opener.verify(view, check.tags[i], "bench page")
         thread.join()
         return time.perf_counter() - t0
     finally:
@@ -139,14 +167,12 @@ def measured(wall_and_work: Callable[[], float]) -> Sample:
 def mac_only(pages: HostPages, count: int) -> Sample:
     """Verifying ``count`` pages' tags, as a consumer does once per page (one thread; the
     producer tags each page once per write, outside the fetch and outside this sample)."""
-    sealer = PageSealer()
-    tags = [sealer.tag(pages.page_view(i)) for i in range(count)]
-    opener = PageOpener(sealer.key)
+    check = page_check(pages, count)
 
     def verify_all() -> float:
         t0 = time.perf_counter()
-        for i, tag in enumerate(tags):
-            opener.verify(pages.page_view(i), tag, "bench page")
+        for i, tag in enumerate(check.tags):
+            check.opener.verify(pages.page_view(i), tag, "bench page")
         return time.perf_counter() - t0
 
     return measured(verify_all)
@@ -214,7 +240,7 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
 
     hasher = BlockHasher("bench-model", shape.block_size)
     modes = {"loop": False, "thread": True}
-    kinds: tuple[str, ...] = ("raw", "cold", "warm", "cold_leg", "warm_leg", "mac")
+    kinds: tuple[str, ...] = ("raw", "raw_mac", "cold", "warm", "cold_leg", "warm_leg", "mac")
     kinds += tuple(f"{kind}_{mode}" for kind in ("cold", "warm") for mode in modes)
     rows: dict[str, list[Sample]] = {k: [] for k in kinds}
     try:
@@ -222,6 +248,12 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
         for rep in range(repeat):
             rows["raw"].append(
                 measured(lambda: raw_socket_s(source_host, consumer_host, shape.blocks))
+            )
+            # Tagged again each time: the producer's own pages (--ends threads) change with
+            # every prefill.
+            check = page_check(source_host, shape.blocks)
+            rows["raw_mac"].append(
+                measured(partial(raw_socket_s, source_host, consumer_host, shape.blocks, check))
             )
             tokens = [(rep * 7919 + i) % 50_000 for i in range(shape.tokens)]
             keys = [offload_key(h, 0) for h in hasher.hash_tokens(tokens)]
@@ -245,6 +277,7 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
         f"{shape.page_bytes // 1024} KiB; wall: best of {repeat} [median]; CPU: median"
     )
     print(f"{'raw loopback socket (limit)':30} {fmt(raw, shape.total, None)}")
+    print(f"{'raw socket + page MAC (floor)':30} {fmt(rows['raw_mac'], shape.total, raw)}")
     for mode in modes:
         mark = " (default here)" if mode == default_mode else ""
         print(f"verify on the {mode}{mark}:")
@@ -263,6 +296,23 @@ async def run(shape: Shape, repeat: int, loop: str, ends: str) -> None:
             print(
                 f"  {kind} fetch (verify on the {mode}) vs raw speed, paired median: "
                 f"{paired:.2f}x (target {target}x)"
+            )
+    floor = statistics.median(
+        r.wall_s / m.wall_s for r, m in zip(raw, rows["raw_mac"], strict=True)
+    )
+    print(
+        f"  raw socket + page MAC vs raw speed, paired median: {floor:.2f}x (what any receiver "
+        f"that verifies every page reaches here; P2P adds its protocol to it)"
+    )
+    for mode in modes:
+        for kind in ("cold", "warm"):
+            protocol = statistics.median(
+                m.wall_s / f.wall_s
+                for m, f in zip(rows["raw_mac"], rows[f"{kind}_{mode}"], strict=True)
+            )
+            print(
+                f"  {kind} fetch (verify on the {mode}) vs raw socket + page MAC, paired median: "
+                f"{protocol:.2f}x"
             )
     mac_share = statistics.median(
         m.wall_s / r.wall_s for r, m in zip(raw, rows["mac"], strict=True)

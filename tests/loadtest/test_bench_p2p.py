@@ -36,5 +36,7 @@ def test_bench_p2p_measures_every_row(ends: str) -> None:
     for mode in ("loop", "thread"):
         for kind in ("cold", "warm"):
             assert f"{kind} fetch (verify on the {mode}) vs raw speed, paired median:" in out
-    assert out.count("x raw speed") == 5  # four fetch rows and the MAC row
+            assert f"{kind} fetch (verify on the {mode}) vs raw socket + page MAC" in out
+    assert "raw socket + page MAC vs raw speed, paired median:" in out
+    assert out.count("x raw speed") == 6  # the floor, four fetch rows and the MAC row
     assert "CPU-bound ceiling" in out and "warm/cold time" in out
