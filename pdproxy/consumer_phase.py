@@ -50,6 +50,10 @@ class ConsumerPhase:
         self._idle_s = idle_s
         self._server_timing = server_timing
 
+    def most_legs(self, consumers: list[Backend]) -> int:
+        """How many legs one :meth:`run` over ``consumers`` sends at most."""
+        return min(len(consumers), self._retry.consumer_attempts)
+
     async def run(
         self,
         lease: RequestLease,
@@ -59,14 +63,19 @@ class ConsumerPhase:
         stream: bool,
         *,
         plan: MigrationPlan | None = None,
+        first_attempt: int = 0,
     ) -> Response | Relay:
+        """``first_attempt``: the attempt number of the first leg (a later run for the same
+        request starts past the legs an earlier one sent: each leg's id stays unique)."""
         canceller = lease.canceller
         assert canceller is not None
         path = ROUTE_PATHS[lease.route]
         t = time.perf_counter()
         failure: LegFailed | None = None
         ranks = lease.decision.consumer_ranks if lease.decision is not None else None
-        for attempt, consumer in enumerate(consumers[: self._retry.consumer_attempts]):
+        for attempt, consumer in enumerate(
+            consumers[: self.most_legs(consumers)], start=first_attempt
+        ):
             if attempt:
                 if not await self._retry.pause("consumer", attempt, NO_DEADLINE, canceller):
                     break
@@ -119,7 +128,7 @@ class ConsumerPhase:
                 t0=t,
             )
             if plan is not None:  # mid-stream failover (pdproxy.failover)
-                tried = {c.name for c in consumers[: attempt + 1]}
+                tried = {c.name for c in consumers[: attempt - first_attempt + 1]}
                 return MigratingRelay(relay, plan, consumers, tried, base)
             return relay
         raise failure or NoBackendAvailable("no consumer to try")

@@ -74,7 +74,8 @@ class ProxyMetrics:
         self.retries = Counter("pdproxy_retries", "Leg retries", ["leg"], registry=r)
         self.fallbacks = Counter(
             "pdproxy_fallbacks",
-            "Requests served by the consumer alone after producer failure",
+            "Requests served by the consumer alone, without the producer's KV: every producer "
+            "failed, or every consumer leg carrying the KV failed with a server error",
             registry=r,
         )
         self.disconnect_aborts = Counter(

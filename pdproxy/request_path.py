@@ -7,9 +7,11 @@ limit, 408 past the read deadline), the ``kv_transfer_params`` gate
 per-model admission slot (429), the candidates (filtered by model, role and dialect before the
 router ranks them), the
 producer phase (:mod:`pdproxy.producer_phase`; consumer-only fallback when it fails), the
-consumer phase (:mod:`pdproxy.consumer_phase`). Everything the request takes belongs to its
-:class:`~pdproxy.lease.RequestLease`, which the returned :class:`~pdproxy.lease.LeasedResponse`
-closes once the answer is sent, the stream ends or the client leaves.
+consumer phase (:mod:`pdproxy.consumer_phase`; when every consumer leg carrying the producer's
+KV failed with a server error, one more leg without it on the consumer that answered).
+Everything the request takes belongs to its :class:`~pdproxy.lease.RequestLease`, which the
+returned :class:`~pdproxy.lease.LeasedResponse` closes once the answer is sent, the stream ends
+or the client leaves.
 
 Upstream failures reach the client as generic OpenAI-shaped errors: backend names and
 addresses stay in the logs and in ``pdproxy_upstream_failures``.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
@@ -257,14 +259,55 @@ class RequestPath:
             return await self._pulling_consumer(lease, body, consumers, pull, base)
         stream = body.data.get("stream") is True
         plan = self._failover.plan(lease.route, body, stream)
+        try:
+            return await self._consumers.run(
+                lease,
+                consumer_body(body, kv_params) if plan is None else plan.first_leg(kv_params),
+                consumers,
+                base if trace is None else trace.leg("consumer", consumers, base),
+                stream=stream,
+                plan=plan,
+            )
+        except LegFailed as exc:
+            alone = self._recompute_on(exc, kv_params, consumers)
+            if alone is None:
+                raise
+        # The consumer could not use the producer's KV: it prefills the prompt itself.
+        supply, lease.supply = lease.supply, None
+        if supply is not None:
+            lease.drop_supply(supply)  # nobody will fetch it now
+        lease.fallback = True
+        self._metrics.fallbacks.inc()
+        log.warning(
+            "request %s: %s failed the leg carrying the producer's KV; it prefills alone",
+            lease.request_id, alone.name,
+        )  # fmt: skip
         return await self._consumers.run(
             lease,
-            consumer_body(body, kv_params) if plan is None else plan.first_leg(kv_params),
-            consumers,
-            base if trace is None else trace.leg("consumer", consumers, base),
+            consumer_body(body, None) if plan is None else plan.first_leg(None),
+            [alone],
+            base if trace is None else trace.leg("consumer", [alone], base),
             stream=stream,
             plan=plan,
+            first_attempt=self._consumers.most_legs(consumers),
         )
+
+    def _recompute_on(
+        self, exc: LegFailed, kv_params: dict[str, Any] | None, consumers: list[Backend]
+    ) -> Backend | None:
+        """The consumer that should prefill alone after every consumer leg carrying the
+        producer's KV failed, or None. Only one that *answered* a server error: vLLM fails a
+        request whose KV load failed (a NIXL handshake that timed out, a producer gone or its
+        blocks expired) with 500 under its default ``kv_load_failure_policy=fail``, and the
+        producer's KV cannot be had again, so one more leg without it is the only way to serve
+        the request. Not after a timeout, a connection failure, 503 or 429 (that consumer is
+        gone or busy), nor when ``retries.fallback_to_consumer`` is off."""
+        status = exc.status
+        if kv_params is None or not self._fallback or status is None:
+            return None
+        if not 500 <= status < 600 or status == 503:
+            return None
+        return next((c for c in consumers if c.name == exc.backend), None)
 
     async def _pulling_consumer(
         self,

@@ -200,6 +200,9 @@ class RetrySettings(BaseModel):
     budget_s: float = Field(default=10.0, gt=0)
     """Most time spent on producer attempts before falling back to the consumer alone."""
     fallback_to_consumer: bool = True
+    """The consumer prefills the prompt itself when the producer's KV cannot be used: every
+    producer attempt failed, or every consumer leg carrying the KV failed with a server error
+    (then once more, without the KV, on the consumer that answered last). False: 502."""
 
 
 class HealthSettings(BaseModel):

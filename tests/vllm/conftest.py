@@ -159,31 +159,33 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
 
 
 def _first_pd_request(pd_url: str, supervisor: Supervisor) -> None:
-    """PD requests before any test until one succeeds: d0's first NIXL handshake with p0 (20-30 s
-    on two shared cores, d0's engine unresponsive meanwhile) is not charged to whichever test
-    comes first.
+    """PD requests before any test until one is served over NIXL: d0's first NIXL handshake with
+    p0 (20-30 s on two shared cores, d0's engine unresponsive meanwhile) is not charged to
+    whichever test comes first.
 
-    Retried because on two shared cores that handshake can fail outright: vLLM 0.32 waits 5 s
+    Repeated because on two shared cores that handshake can fail outright: vLLM 0.32 waits 5 s
     (hard-coded ``RCVTIMEO``) for p0's metadata reply and, under its default
-    ``kv_load_failure_policy=fail``, fails the request ("handshake_failed", then a 500 that the
-    proxy answers with 502 as its only consumer failed). The next request starts a new handshake.
-    The stack keeps that policy so that every later 200 proves the KV came over NIXL.
+    ``kv_load_failure_policy=fail``, fails the request ("handshake_failed", then a 500); the
+    proxy has d0 prefill it alone (``x-pdproxy-fallback``), so that answer proves nothing about
+    NIXL. The next request starts a new handshake. The stack keeps vLLM's policy so that every
+    answer without the fallback header proves the KV came over NIXL.
     """
     body = {"model": MODEL, "prompt": prompt_ids(0, 300), "max_tokens": 2, "temperature": 0}
     failures: list[str] = []
     for _ in range(_FIRST_REQUEST_ATTEMPTS):
         resp = httpx.post(pd_url + "/v1/completions", json=body, timeout=STARTUP_TIMEOUT_S)
-        if resp.status_code == 200:
+        fallback = resp.headers.get("x-pdproxy-fallback")
+        if resp.status_code == 200 and fallback is None:
             if failures:
-                print(f"\nfirst PD request succeeded after {len(failures)} failure(s): {failures}")
+                print(f"\nfirst PD request over NIXL after {len(failures)} tries: {failures}")
             return
-        failures.append(f"{resp.status_code} {resp.text}")
+        failures.append(f"{resp.status_code} (fallback: {fallback}) {resp.text[:200]}")
     logs = "\n".join(
         f"--- {c.log_path}:\n{c.log_tail(40)}"
         for c in supervisor.children
         if c.spec.name in ("pd-proxy", "p0", "d0")
     )
-    pytest.fail(f"first PD request failed {len(failures)} times: {failures}\n{logs}")
+    pytest.fail(f"no PD request served over NIXL in {len(failures)} tries: {failures}\n{logs}")
 
 
 _FIRST_REQUEST_ATTEMPTS = 3
