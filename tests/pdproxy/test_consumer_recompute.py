@@ -92,68 +92,41 @@ async def test_the_consumer_that_answered_last_prefills(
     assert ids == ["-d0", "-d1", "-d2"]
 
 
-@pytest.mark.parametrize("status", [503, 429])
-async def test_a_busy_consumer_is_not_asked_again(
-    fake: FakeFactory, proxy: ProxyFactory, status: int
-) -> None:
-    p = await fake("P")
-    d = await fake("D", fail_status=status, fail_count=1)
-    px = await proxy(
-        quick_settings([backend_entry(p, "producer", "p2p"), backend_entry(d, "consumer", "p2p")]),
-        RecordingRouter(),
-    )
-    async with px.client() as c:
-        r = await c.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 502
-    assert "x-pdproxy-fallback" not in r.headers
-    assert len(d.consumer_legs()) == 1
+_ONE_LEG_ONLY = {
+    # case: (producer behaviour, consumer behaviour, settings, status to the client)
+    "503: busy": ({}, {"fail_status": 503, "fail_count": 1}, {}, 502),
+    "429: busy": ({}, {"fail_status": 429, "fail_count": 1}, {}, 502),
+    "first byte timed out": (
+        {},
+        {"first_chunk_delay_s": 5.0},
+        {"timeouts": {"consumer_first_byte_s": 0.3}},
+        504,
+    ),
+    "fallback off": (
+        {},
+        {"fail_status": 500, "fail_count": 1},
+        {"retries": {"fallback_to_consumer": False, "backoff_base_s": 0.001}},
+        502,
+    ),
+    # Producers failed, so the consumer leg carried no KV: its 500 ends the request.
+    "leg without KV": ({"fail_status": 500}, {"fail_status": 500, "fail_count": 1}, {}, 502),
+}
 
 
-async def test_a_consumer_that_timed_out_is_not_asked_again(
-    fake: FakeFactory, proxy: ProxyFactory
-) -> None:
-    p = await fake("P")
-    d = await fake("D", first_chunk_delay_s=5.0)
+@pytest.mark.parametrize("case", list(_ONE_LEG_ONLY))
+async def test_no_second_leg(fake: FakeFactory, proxy: ProxyFactory, case: str) -> None:
+    producer, consumer, settings, status = _ONE_LEG_ONLY[case]
+    p = await fake("P", **producer)
+    d = await fake("D", **consumer)
     px = await proxy(
         quick_settings(
-            [backend_entry(p, "producer", "p2p"), backend_entry(d, "consumer", "p2p")],
-            timeouts={"consumer_first_byte_s": 0.3},
+            [backend_entry(p, "producer", "p2p"), backend_entry(d, "consumer", "p2p")], **settings
         ),
         RecordingRouter(),
     )
     async with px.client() as c:
         r = await c.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 504
-    assert len(d.consumer_legs()) == 1
-
-
-async def test_no_second_leg_when_fallback_is_off(fake: FakeFactory, proxy: ProxyFactory) -> None:
-    p = await fake("P")
-    d = await fake("D", fail_status=500, fail_count=1)
-    px = await proxy(
-        quick_settings(
-            [backend_entry(p, "producer", "p2p"), backend_entry(d, "consumer", "p2p")],
-            retries={"fallback_to_consumer": False, "backoff_base_s": 0.001},
-        ),
-        RecordingRouter(),
-    )
-    async with px.client() as c:
-        r = await c.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 502
-    assert len(d.consumer_legs()) == 1
-
-
-async def test_a_consumer_failing_without_the_kv_is_not_asked_again(
-    fake: FakeFactory, proxy: ProxyFactory
-) -> None:
-    """Producers failed, so the consumer leg carried no KV: its 500 ends the request."""
-    p = await fake("P", fail_status=500)
-    d = await fake("D", fail_status=500, fail_count=1)
-    px = await proxy(
-        quick_settings([backend_entry(p, "producer", "p2p"), backend_entry(d, "consumer", "p2p")]),
-        RecordingRouter(),
-    )
-    async with px.client() as c:
-        r = await c.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 502
+    assert r.status_code == status
+    # Only the producers' own failure marks it (the consumer served without their KV).
+    assert r.headers.get("x-pdproxy-fallback") == ("consumer-only" if producer else None)
     assert len(d.consumer_legs()) == 1
