@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from kvtier.events import EventPublisher
@@ -113,6 +114,29 @@ async def wait_received(backends: list[FakeBackend], count: int, timeout_s: floa
         await asyncio.sleep(0.02)
 
 
+async def in_flight_in_redis(redis_url: str, node: str) -> int:
+    """Requests in flight on ``node`` as the replicas' shared load counts them (the layout in
+    :mod:`pdproxy.routing.kv.shared_load`)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        total = 0
+        async for key in client.scan_iter(match="*:load"):
+            fields = await client.hgetall(key)
+            total += sum(int(v) for f, v in fields.items() if f.endswith(f"|if|{node}".encode()))
+        return total
+    finally:
+        await client.aclose()
+
+
+async def wait_in_flight(redis_url: str, node: str, count: int, timeout_s: float = 5.0) -> None:
+    """Until the shared load counts ``count`` requests on ``node``: a proxy gives a request's
+    load back once its answer was sent, so its client may hold the answer a moment earlier."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := await in_flight_in_redis(redis_url, node)) != count:
+        assert time.monotonic() < deadline, f"{node}: {seen} requests in flight, not {count}"
+        await asyncio.sleep(0.02)
+
+
 async def test_two_proxy_processes_share_choice_and_in_flight_load(
     fake: FakeFactory, procs: ProcessGroup, redis_url: str
 ) -> None:
@@ -154,6 +178,8 @@ async def test_two_proxy_processes_share_choice_and_in_flight_load(
             # blocks on both. (The name-order default would be c0, which ``busy`` usually is;
             # either way, the sibling below must follow A's choice, not B's own default.)
             prefix = prompt_text(1)
+            await wait_in_flight(redis_url, busy.name, 1)  # A's held request
+            await wait_in_flight(redis_url, idle.name, 0)  # B's probe, given back
             first = route_of(await via_a.post("/v1/completions", json=completion(prefix + "q1")))
             first_consumer, first_producer, _ = choice(first)
             assert first_consumer == idle.name and first_producer is not None, first
