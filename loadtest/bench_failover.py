@@ -1,7 +1,7 @@
 """What following a stream for failover costs per chunk, against relaying its bytes as they are.
 
 With ``failover.max_migrations`` > 0 the relay splits the consumer's stream into events, parses
-each chunk, records it and re-encodes it (:mod:`pdproxy.stream_ledger`); without failover it
+each chunk, records it and re-encodes it (:mod:`pdproxy.request.continuation`); without failover it
 passes the transport chunks on. This times both (and, as a floor for any follower, parsing
 each event once) over the same vLLM-shaped stream (a 64-token
 chat answer with continuous usage, cut into transport chunks of ``--cut`` bytes), interleaved
@@ -18,7 +18,7 @@ import time
 
 import orjson
 
-from pdproxy.stream_ledger import ChunkShaper, EventSplitter, StreamLedger, event_data
+from pdproxy.request.continuation import ChunkShaper, EventSplitter, StreamLedger, event_data
 
 
 def _stream(tokens: int) -> bytes:

@@ -1,4 +1,4 @@
-"""The upstream client's own cost: CPU per request of ``pdproxy.http1`` against a floor.
+"""The upstream client's own cost: CPU per request of ``pdproxy.upstream.pool`` against a floor.
 
 ``bench_proxy`` measures the whole proxy, whose CPU per request varies by tens of percent on a
 shared machine; this isolates the client. A fake engine (``loadtest.fake_backend``) runs in
@@ -7,8 +7,8 @@ another process; this process sends ``POST /v1/completions`` legs to it with
 - ``floor``: a bare asyncio protocol per connection that writes a preformatted request and
   waits for the end of the answer (content-length or the last chunk), parsing nothing else:
   the least any HTTP/1.1 client can spend;
-- ``http1``: :class:`pdproxy.http1.HostPool`, reading the whole answer (non-stream) or chunk by
-  chunk (a 64-chunk stream), as the proxy's legs do;
+- ``http1``: :class:`pdproxy.upstream.pool.HostPool`, reading the whole answer (non-stream) or
+chunk by chunk (a 64-chunk stream), as the proxy's legs do;
 - ``aiohttp``: ``aiohttp.ClientSession`` doing the same, for scale.
 
 Modes run interleaved, ``--rounds`` times, each cell bounded by ``--duration`` seconds and
@@ -33,10 +33,10 @@ import aiohttp
 import orjson
 
 from loadtest.child import child_process
-from pdproxy.http1 import HostPool
 from pdproxy.origin import split_url
 from pdproxy.settings import UpstreamSettings
 from pdproxy.stack.ports import free_port
+from pdproxy.upstream.pool import HostPool
 
 _PATH = "/v1/completions"
 _HEADERS = {"content-type": "application/json", "x-request-id": "bench-0123456789abcdef"}
@@ -230,7 +230,7 @@ def _report(results: dict[tuple[str, int, str], list[tuple[float, float]]]) -> N
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="pdproxy.http1 CPU per request vs a floor")
+    parser = argparse.ArgumentParser(description="pdproxy.upstream.pool CPU per request vs a floor")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=1.0, help="seconds per cell")
     parser.add_argument("--max-requests", type=int, default=5000, help="requests per cell")

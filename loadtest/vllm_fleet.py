@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from pdproxy.legs import KvRequestId, producer_kv_params
+from pdproxy.request.legs import KvRequestId, producer_kv_params
 from pdproxy.settings import Dialect
 from pdproxy.stack.ports import free_port
 from pdproxy.stack.supervisor import Supervisor

@@ -16,11 +16,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pdproxy.backends import Backend, BackendRegistry
 from pdproxy.errors import ConfigError
-from pdproxy.headers import bearer_token
-from pdproxy.http_errors import error_response
-from pdproxy.membership.service import MembershipService
+from pdproxy.fleet.backends import Backend, BackendRegistry
+from pdproxy.fleet.membership.service import MembershipService
+from pdproxy.front.intake import bearer_token
+from pdproxy.front.responses import error_response
 from pdproxy.settings import BackendConfig, validation_error_text
 
 

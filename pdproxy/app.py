@@ -10,8 +10,8 @@ needs the admin key and is off without one. What a client can make the proxy do:
 admitted request at a time per slot (``admission``), bodies bounded in size and read time,
 open connections capped (``admission.max_connections``, enforced by the server: ``pdproxy
 serve`` passes it to uvicorn), upstream legs only to configured backends (and to those DNS
-discovery or authenticated worker registration added: ``pdproxy.membership``, whose
-registration socket has its own threat model in ``pdproxy/membership/registration.py``).
+discovery or authenticated worker registration added: ``pdproxy.fleet.membership``, whose
+registration socket has its own threat model in ``pdproxy/fleet/membership/registration.py``).
 """
 
 from __future__ import annotations
@@ -33,28 +33,28 @@ from starlette.types import Receive, Scope, Send
 
 from pdproxy import __version__
 from pdproxy.admin import AdminApi
-from pdproxy.admission import Admission, ModelAdmission
-from pdproxy.backends import BackendRegistry
-from pdproxy.errors import ClientRequestError
-from pdproxy.front_request import HotRequest
-from pdproxy.health import HealthChecker
-from pdproxy.http_errors import client_error_response, error_response
-from pdproxy.intake import ClientKeys
-from pdproxy.membership.service import MembershipService
-from pdproxy.metrics import ProxyMetrics
-from pdproxy.model_catalog import ModelCatalog, ModelLearner
-from pdproxy.model_metrics import ModelMetrics
-from pdproxy.models import ModelList
-from pdproxy.request_path import RequestPath
+from pdproxy.errors import ClientRequestError, ConfigError
+from pdproxy.fleet.backends import BackendRegistry
+from pdproxy.fleet.health import HealthChecker
+from pdproxy.fleet.membership.service import MembershipService
+from pdproxy.fleet.models import ModelCatalog, ModelLearner, ModelList
+from pdproxy.front.admission import Admission, ModelAdmission, ModelMetrics
+from pdproxy.front.intake import ClientKeys
+from pdproxy.front.protocol import HotRequest
+from pdproxy.front.responses import client_error_response, error_response
+from pdproxy.observe.metrics import ProxyMetrics
+from pdproxy.request.path import RequestPath
 from pdproxy.routing.base import Router
 from pdproxy.routing.factory import build_router
+from pdproxy.serve.siblings import Siblings
 from pdproxy.settings import Dialect, ProxySettings
-from pdproxy.siblings import Siblings
-from pdproxy.tracing import build_request_tracer
-from pdproxy.upstream import Upstream
+from pdproxy.settings.tracing import OtelSettings
+from pdproxy.upstream.client import Upstream
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
+
+    from pdproxy.request.trace import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +190,8 @@ def create_app(
     """Build a proxy app. ``router`` overrides ``settings.router`` (tests, embedding); a router
     built from settings registers its metrics on the app's registry (``/metrics``), an injected
     one keeps its own. ``span_exporter`` turns tracing on with that exporter instead of the
-    ``OTEL_*`` settings' one (:mod:`pdproxy.tracing`). ``siblings``: the other processes of a
-    ``serve --workers N`` group (``/metrics`` adds theirs up, admin changes reach them all)."""
+    ``OTEL_*`` settings' one (:mod:`pdproxy.settings.tracing`). ``siblings``: the other processes
+    of a ``serve --workers N`` group (``/metrics`` adds theirs up, admin changes reach them all)."""
     state = ProxyState(settings, router, clock, span_exporter, siblings)
 
     @asynccontextmanager
@@ -272,3 +272,24 @@ def proxy_state(app: FastAPI) -> ProxyState:
     state = app.state.pdproxy
     assert isinstance(state, ProxyState)
     return state
+
+
+def build_request_tracer(
+    settings: OtelSettings, exporter: SpanExporter | None = None
+) -> RequestTracer | None:
+    """The request tracer, or None when tracing is off (and ``exporter`` is None).
+
+    ``exporter`` replaces the configured one and turns tracing on (tests, embedding); its spans
+    are handed over as each ends. Raises :class:`~pdproxy.errors.ConfigError` when tracing is
+    on but the ``pdproxy[otel]`` extra is not installed.
+    """
+    if exporter is None and not settings.enabled:
+        return None
+    try:
+        from pdproxy.request.trace import RequestTracer
+    except ImportError as exc:
+        raise ConfigError(
+            f"tracing is on ({settings.exporter} exporter) but OpenTelemetry is not installed: "
+            "pip install 'pdproxy[otel]'"
+        ) from exc
+    return RequestTracer.from_settings(settings, exporter)

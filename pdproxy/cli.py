@@ -29,10 +29,10 @@ from pydantic import ValidationError
 
 from pdproxy.app import ProxyState, create_app, proxy_state
 from pdproxy.errors import ConfigError
-from pdproxy.front_protocol import ProxyHttpProtocol
-from pdproxy.process_group import ProcessGroup, process_count
+from pdproxy.front.protocol import ProxyHttpProtocol
+from pdproxy.serve.process_group import ProcessGroup, process_count
+from pdproxy.serve.siblings import Siblings
 from pdproxy.settings import ProxySettings, validation_error_text
-from pdproxy.siblings import Siblings
 from pdproxy.stack import add_up_command
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def _configure_logging(settings: ProxySettings) -> None:
 
 def run_server(settings: ProxySettings) -> int:
     """Serve until SIGTERM/SIGINT: one process, or ``settings.workers`` (0: one per core)
-    processes on one port (:mod:`pdproxy.process_group`). Returns the exit status."""
+    processes on one port (:mod:`pdproxy.serve.process_group`). Returns the exit status."""
     _configure_logging(settings)
     count = process_count(settings.workers)
     if count > 1 and settings.membership.registration.endpoint is not None:

@@ -13,14 +13,14 @@ Hierarchy::
     ├── LegFailed              an upstream leg failed (connect, timeout, retryable status)
     │   └── KvAddressMismatch  a producer named a KV address other than its configured one
     ├── LegRefused             an upstream answered a client error (4xx): relayed as is
-    └── HttpClientError        the upstream HTTP/1.1 client (pdproxy.http1): the connection
+    └── HttpClientError        the upstream HTTP/1.1 client (pdproxy.upstream.pool): the connection
         │                      failed or closed early, or the answer is not acceptable HTTP/1.1
         ├── RequestNotSent     provably nothing was sent (connect failed or timed out)
         ├── ResponseHeadTooLarge  the response head (or trailers) passed the byte/field caps
         └── ResponseTooLarge   an answer read whole passed ``upstream.max_answer_bytes``
 
-``HttpClientError`` stays inside the upstream layer: :mod:`pdproxy.upstream` translates it into
-``LegFailed`` (``raise ... from exc``).
+``HttpClientError`` stays inside the upstream layer: :mod:`pdproxy.upstream.client` translates it
+into ``LegFailed`` (``raise ... from exc``).
 
 ``ClientRequestError`` carries the HTTP status and the OpenAI error ``type``/``code`` so the
 request path answers with OpenAI-shaped JSON without guessing.

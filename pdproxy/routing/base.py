@@ -1,23 +1,29 @@
 """The contract between the request path and a router.
 
-The request path (``pdproxy.request_path``) filters the candidates first (role, dialect, routable),
+The request path (``pdproxy.request.path``) filters the candidates first (role, dialect, routable),
 builds a :class:`RouteRequest`, asks the router for a :class:`RouteDecision` ranking exactly the
 objects it was given, tries them in order (retries and failover walk down the lists), and calls
 :meth:`Router.finished` exactly once per decision, whatever happened. A router keeps what a
 decision charged under the request id, which the request path makes unique. Simple
 routers (round-robin, least-loaded) and the KV-aware router implement the same protocol, so the
 request path never changes when the router does.
+
+What a route decision tells the request path about a symmetric pull.
+
+The node that prefills (the first producer of a disaggregated pair, or the consumer alone)
+is sent ``kv_transfer_params.remote_kv_source`` naming ``holder``'s P2P server: it asks the
+holder which of the prompt's blocks it has, pulls them, and computes only the rest. The
+address is the holder backend's configured ``kv_address`` (never anything a client sent).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
 
 from pdproxy.errors import NoBackendAvailable
-from pdproxy.routing.pull_source import PullSource
+from pdproxy.settings.backends import Role
 
 __all__ = [
     "BackendView",
@@ -28,12 +34,6 @@ __all__ = [
     "RouteRequest",
     "Router",
 ]
-
-
-class Role(StrEnum):
-    PRODUCER = "producer"
-    CONSUMER = "consumer"
-    BOTH = "both"
 
 
 class BackendView(Protocol):
@@ -95,7 +95,7 @@ class RouteDecision(Generic[B]):
     route_time_s: float = 0.0
     consumer_ranks: Mapping[str, int] = field(default_factory=dict)
     """Data-parallel rank chosen on each consumer (by backend name); absent: the engine picks
-    (:mod:`pdproxy.dp_ranks`)."""
+    (:mod:`pdproxy.fleet.dp_ranks`)."""
     producer_ranks: Mapping[str, int] = field(default_factory=dict)
     """The same for producers (a backend may be producer on one rank, consumer on another)."""
     pull: PullSource | None = None
@@ -134,3 +134,15 @@ class Router(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PullSource:
+    holder: str
+    """Backend name of the node holding the prefix."""
+    host: str
+    port: int
+    engine_id: str | None
+    """The holder's P2P node id (its handshake must prove it); None: not pinned."""
+    blocks: int
+    """Blocks the router expects the pull to move."""

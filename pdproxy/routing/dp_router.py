@@ -1,7 +1,7 @@
 """Rank-aware routing over any router: each data-parallel rank of a backend is a candidate.
 
 :class:`DpRankRouter` hands the router it wraps one :class:`RankCandidate` per (backend, rank)
-(named by :func:`pdproxy.dp_ranks.rank_node`), so the KV router keeps residency, load and
+(named by :func:`pdproxy.fleet.dp_ranks.rank_node`), so the KV router keeps residency, load and
 predictions per rank without knowing ranks exist, and turns the ranked candidates back into
 the backends the request path tries: each backend once, at its best rank, with the chosen
 rank per backend in ``consumer_ranks``/``producer_ranks`` (the legs' ``X-data-parallel-rank``).
@@ -21,7 +21,7 @@ from typing import Any, Generic
 
 from prometheus_client import CollectorRegistry, Counter
 
-from pdproxy.dp_ranks import rank_node
+from pdproxy.fleet.dp_ranks import rank_node
 from pdproxy.routing.base import B, RequestOutcome, Role, RouteDecision, Router, RouteRequest
 
 

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
     from prometheus_client import CollectorRegistry
 
-    from pdproxy.backends import Backend, BackendRegistry
-    from pdproxy.model_catalog import ModelCatalog
+    from pdproxy.fleet.backends import Backend, BackendRegistry
+    from pdproxy.fleet.models import ModelCatalog
     from pdproxy.settings import ProxySettings
 
 
@@ -31,7 +31,7 @@ class EventEndpoints:
 
 class RegistryEventSource:
     """The live backend registry seen as event sources (read afresh on every ``all()``); with
-    ``ranks``, one source per data-parallel rank (:func:`pdproxy.dp_ranks.rank_streams`)."""
+    ``ranks``, one source per data-parallel rank (:func:`pdproxy.fleet.dp_ranks.rank_streams`)."""
 
     def __init__(self, registry: BackendRegistry, *, ranks: bool = False) -> None:
         self._registry = registry
@@ -47,7 +47,7 @@ def event_endpoints(backends: Iterable[Backend], *, ranks: bool) -> list[EventEn
             EventEndpoints(b.name, b.url, b.config.events_endpoint, b.config.events_replay_endpoint)
             for b in backends
         ]
-    from pdproxy.dp_ranks import rank_streams
+    from pdproxy.fleet.dp_ranks import rank_streams
 
     return [
         EventEndpoints(node, b.url, endpoint, replay)

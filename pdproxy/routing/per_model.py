@@ -37,8 +37,8 @@ from pdproxy.routing.base import B, RequestOutcome, RouteDecision, Router, Route
 from pdproxy.routing.factory import EventEndpoints, event_endpoints
 
 if TYPE_CHECKING:
-    from pdproxy.backends import BackendRegistry
-    from pdproxy.model_catalog import ModelCatalog
+    from pdproxy.fleet.backends import BackendRegistry
+    from pdproxy.fleet.models import ModelCatalog
     from pdproxy.settings import ProxySettings
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from pdproxy.routing.per_model import (
 )
 
 if TYPE_CHECKING:
-    from pdproxy.backends import BackendRegistry
-    from pdproxy.model_catalog import ModelCatalog
+    from pdproxy.fleet.backends import BackendRegistry
+    from pdproxy.fleet.models import ModelCatalog
     from pdproxy.settings import ProxySettings
 
 

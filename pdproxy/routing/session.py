@@ -15,7 +15,7 @@ from typing import Any, NewType
 
 from starlette.datastructures import Headers
 
-from pdproxy.headers import bearer_token
+from pdproxy.front.intake import bearer_token
 
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID_CHARS = 256

@@ -1,8 +1,10 @@
 """The local PD stack: a proxy plus producer and consumer reference workers as subprocesses.
 
-``pdproxy up`` (registered by :func:`add_up_command`) or ``python -m pdproxy.stack``. The
-package only starts processes (``python -m kvtier.worker``, ``python -m pdproxy.cli serve``);
-it never imports torch or the worker.
+Rule 1: only starts processes; never imports the worker, torch or vLLM.
+Rule 2: every process it starts it stops, by PID, on every path out.
+
+``pdproxy up`` (registered by :func:`add_up_command`) or ``python -m pdproxy.stack`` starts
+``python -m kvtier.worker`` (or vLLM) and ``python -m pdproxy.cli serve``.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ from kvtier.announce import MAX_DP_SIZE, Announcement, decode, encode
 from kvtier.errors import AnnouncementError
 from kvtier.worker.announce import worker_announcement
 from kvtier.worker.settings import WorkerSettings
-from pdproxy.backends import BackendRegistry
-from pdproxy.membership.members import Membership
-from pdproxy.membership.registration import RegistrationListener
-from pdproxy.membership.settings import MembershipSettings, RegistrationSettings
+from pdproxy.fleet.backends import BackendRegistry
+from pdproxy.fleet.membership.members import Membership
+from pdproxy.fleet.membership.registration import RegistrationListener
 from pdproxy.settings import BreakerSettings
+from pdproxy.settings.membership import MembershipSettings, RegistrationSettings
 
 
 def message(**extra: object) -> bytes:

@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from pdproxy.http1 import HostPool
 from pdproxy.origin import split_url
 from pdproxy.settings import UpstreamSettings
+from pdproxy.upstream.pool import HostPool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from loadtest.fake_backend import nixl_producer_answer
-from pdproxy.legs import PRODUCER_REMOVED_FIELDS
+from pdproxy.request.legs import PRODUCER_REMOVED_FIELDS
 from pdproxy.routing.base import RequestOutcome
 from tests.pdproxy.conftest import (
     FakeFactory,

@@ -13,7 +13,7 @@ from the sequence after the last one applied, so the worker's replay socket fill
 shared index without leases (a replica joining late) keeps the shared state on a reset that
 comes before its first batch.
 
-A batch tagged with a data-parallel rank other than its socket's (:mod:`pdproxy.dp_ranks`)
+A batch tagged with a data-parallel rank other than its socket's (:mod:`pdproxy.fleet.dp_ranks`)
 is dropped and counted, never applied.
 
 Event sockets carry prompt token ids. With ``events_curve`` keys every subscription (live and
@@ -35,8 +35,8 @@ from kvtier.errors import EventSecurityError, ResidencyError
 from kvtier.events import EventBatch, EventSubscriber
 from kvtier.events.curve import CurveClient, load_client
 from kvtier.residency.types import NodeId, ResidencyIndex
-from pdproxy.dp_ranks import batch_rank_refused
 from pdproxy.errors import ConfigError
+from pdproxy.fleet.dp_ranks import batch_rank_refused
 from pdproxy.routing.kv.settings import EventsCurveSettings
 
 if TYPE_CHECKING:

@@ -26,11 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from pdproxy.routing.base import PullSource
 from pdproxy.routing.kv.cost import NodeState, Plan, PromptShape, Score, load_cost, prefill_score
 from pdproxy.routing.kv.load import LoadDelta
 from pdproxy.routing.kv.pull_settings import PullSettings
 from pdproxy.routing.kv.settings import CostWeights
-from pdproxy.routing.pull_source import PullSource
 
 P2P_DIALECT = "p2p"
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from kvtier.keys import BlockHasher
 from kvtier.residency.types import NodeId
-from pdproxy.breaker import BreakerState
 from pdproxy.errors import NoBackendAvailable
+from pdproxy.fleet.backends import BreakerState
 from pdproxy.routing.base import B, RequestOutcome, RouteDecision, RouteRequest
 from pdproxy.routing.kv.affinity import SessionAffinity
 from pdproxy.routing.kv.charges import load_deltas, predictions

@@ -22,7 +22,7 @@ from kvtier.errors import ResidencyError
 from kvtier.keys import BlockHash
 from kvtier.residency.redis_index import RedisIndex
 from kvtier.residency.types import Match, NodeId
-from pdproxy.breaker import BreakerState
+from pdproxy.fleet.backends import BreakerState
 from pdproxy.routing.kv.load import LoadDelta, MemoryLoad, NodeLoad
 from pdproxy.routing.kv.shared_load import RedisLoad
 from pdproxy.routing.kv.state import Observation, Prediction, as_nodes

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from kvtier.keys import BlockHash
 from kvtier.residency.types import Match, NodeId, ResidencyIndex
-from pdproxy.breaker import BreakerState
+from pdproxy.fleet.backends import BreakerState
 from pdproxy.routing.kv.load import LoadDelta, MemoryLoad, NodeLoad
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Each call is bounded by ``deadline_s`` (the one deadline of a router call: the Redis index and
 load counters behind it apply none of their own). The breaker is the proxy's
-:class:`pdproxy.breaker.CircuitBreaker`: after ``failures`` consecutive failures it opens
+:class:`pdproxy.fleet.backends.CircuitBreaker`: after ``failures`` consecutive failures it opens
 (failures less than one deadline apart count once: calls issued together that time out in the
 same stall, e.g. the process descheduled on a busy machine, are one failure, not three). An
 open breaker fails calls at once (the router routes by load alone) until ``cooldown_s`` has
@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from kvtier.errors import ResidencyUnavailable
 from kvtier.tasks import CallerCancel
-from pdproxy.breaker import BreakerState, CircuitBreaker
+from pdproxy.fleet.backends import BreakerState, CircuitBreaker
 from pdproxy.settings import BreakerSettings
 
 logger = logging.getLogger(__name__)

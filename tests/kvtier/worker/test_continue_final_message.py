@@ -1,6 +1,6 @@
 """The worker continues a final assistant message (vLLM's ``continue_final_message``): the
 continuation of an answer cut after k tokens is the rest of the uninterrupted answer, for both
-backends. This is what the proxy's mid-stream failover sends (``pdproxy.continuation``)."""
+backends. This is what the proxy's mid-stream failover sends (``pdproxy.request.continuation``)."""
 
 from __future__ import annotations
 

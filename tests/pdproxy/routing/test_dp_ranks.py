@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 from kvtier.events import EventBatch, EventPublisher
 from kvtier.events.ranks import offset_endpoint
 from kvtier.residency.types import NodeId
-from pdproxy.backends import BackendRegistry
-from pdproxy.dp_ranks import (
+from pdproxy.fleet.backends import BackendRegistry
+from pdproxy.fleet.dp_ranks import (
     DP_RANK_HEADER,
     batch_rank_refused,
     node_rank,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvtier.residency.types import NodeId
-from pdproxy.dp_ranks import rank_node
+from pdproxy.fleet.dp_ranks import rank_node
 from pdproxy.routing.base import RequestOutcome, Role
 from pdproxy.routing.dp_router import DpRankRouter
 from pdproxy.routing.kv.router import KvRouter

@@ -1,0 +1,181 @@
+"""Where one proxied request spends its Python: calls per request and the modules it runs in.
+
+Starts instant fake backends (:mod:`loadtest.fake_backend`) and ``pdproxy serve`` (one process,
+NIXL dialect, round robin) in a child process that profiles itself with :mod:`cProfile` only
+between two signals, so start-up and warm-up are not counted. After a warm-up, for each kind of
+request (non-stream and 64-chunk stream, completions and chat), sends ``--requests`` requests one
+after another under the profiler and prints:
+
+- Python function calls per request (cProfile's count: calls into Python functions and into
+  built-ins, the number the hot-path budget is kept in);
+- the number of modules (files) that ran code, and how many of them are pdproxy's;
+- with ``--top N``, the N functions with the most calls per request.
+
+A single streamed chat completion (``--requests 1 --kind chat-stream``) lists the pdproxy
+modules it executed with ``--modules``. Counts, not timings: they do not depend on how busy
+the machine is.
+
+    python -m loadtest.profile_proxy [--requests 1000] [--kind chat-stream ...] [--top 30]
+        [--modules]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import os
+import pstats
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from loadtest.child import child_process
+from pdproxy.stack.ports import free_port
+
+KINDS = ("completions", "completions-stream", "chat", "chat-stream")
+_JSON = {"content-type": "application/json"}
+_PROMPT = "the quick brown fox " * 20
+
+
+def _body(kind: str) -> tuple[str, bytes]:
+    stream = kind.endswith("-stream")
+    if kind.startswith("chat"):
+        body: dict[str, object] = {
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": _PROMPT}],
+        }
+        path = "/v1/chat/completions"
+    else:
+        body = {"model": "fake-model", "prompt": _PROMPT}
+        path = "/v1/completions"
+    body.update(max_tokens=64, stream=stream, top_p=0.9)
+    return path, orjson.dumps(body)
+
+
+# ------------------------------------------------------------------ the profiled proxy (child)
+
+
+def _child(out: str, argv: list[str]) -> None:
+    """Run ``pdproxy serve`` with a profiler that SIGUSR1 starts and SIGUSR2 stops and dumps."""
+    from pdproxy.cli import main
+
+    profiler = cProfile.Profile()
+
+    def start(_sig: int, _frame: object) -> None:
+        profiler.enable()
+
+    def stop(_sig: int, _frame: object) -> None:
+        profiler.disable()
+        profiler.dump_stats(out)
+        profiler.clear()
+
+    signal.signal(signal.SIGUSR1, start)
+    signal.signal(signal.SIGUSR2, stop)
+    main(argv)
+
+
+# ------------------------------------------------------------------ the load (parent)
+
+
+async def _ready(session: aiohttp.ClientSession, url: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(url) as resp:
+                if resp.status == 200:
+                    return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} not ready in 60 s")
+
+
+async def _send(session: aiohttp.ClientSession, url: str, kind: str, n: int) -> None:
+    path, body = _body(kind)
+    for _ in range(n):
+        async with session.post(url + path, data=body, headers=_JSON) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"proxy answered {resp.status}")
+
+
+def _profile_of(path: Path, deadline_s: float = 30.0) -> pstats.Stats:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if path.exists() and path.stat().st_size > 0:
+            time.sleep(0.2)  # let the dump finish
+            return pstats.Stats(str(path))
+        time.sleep(0.05)
+    raise RuntimeError("the proxy wrote no profile")
+
+
+def _report(stats: pstats.Stats, kind: str, n: int, top: int, modules: bool) -> None:
+    table = stats.stats  # type: ignore[attr-defined]
+    calls = sum(entry[1] for entry in table.values())
+    files = {key[0] for key in table if not key[0].startswith("~")}
+    ours = sorted(f for f in files if f"{os.sep}pdproxy{os.sep}" in f)
+    print(
+        f"{kind:20} {calls / n:8.0f} calls/request  {len(files):3d} modules  {len(ours):3d} pdproxy"
+    )
+    if modules:
+        root = str(Path(__file__).resolve().parent.parent) + os.sep
+        for f in ours:
+            print("    " + f.removeprefix(root))
+    if top:
+        ranked = sorted(table.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+        for (file, line, name), entry in ranked:
+            where = "built-in" if file.startswith("~") else f"{Path(file).name}:{line}"
+            print(f"    {entry[1] / n:7.1f}  {name}  ({where})")
+
+
+async def _run(args: argparse.Namespace) -> None:
+    p_port, d_port, x_port = free_port(), free_port(), free_port()
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    proxy = f"http://127.0.0.1:{x_port}"
+    env = {**os.environ, "PDPROXY_HEALTH__ENABLED": "false", "PDPROXY_WORKERS": "1"}
+    backends = [sys.executable, "-m", "loadtest.fake_backend", "--chunks", "64",
+                "--listen", f"P={p_port}", "--listen", f"D={d_port}"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        out = Path(tmp) / "profile"
+        serve = ["serve", "--port", str(x_port), "--producer", p_url, "--consumer", d_url,
+                 "--dialect", "nixl", "--log-level", "warning"]  # fmt: skip
+        argv = [sys.executable, "-m", "loadtest.profile_proxy", "--child", str(out), "--", *serve]
+        stack.enter_context(child_process(backends))
+        proc = stack.enter_context(child_process(argv, env=env))
+        async with aiohttp.ClientSession() as session:
+            for url in (p_url + "/health", d_url + "/health", proxy + "/ready"):
+                await _ready(session, url)
+            for kind in KINDS:  # every path and pool warm
+                await _send(session, proxy, kind, 100)
+            for kind in args.kind:
+                out.unlink(missing_ok=True)
+                os.kill(proc.pid, signal.SIGUSR1)
+                await asyncio.sleep(0.1)
+                await _send(session, proxy, kind, args.requests)
+                os.kill(proc.pid, signal.SIGUSR2)
+                _report(_profile_of(out), kind, args.requests, args.top, args.modules)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        _child(argv[1], argv[3:])
+        return
+    parser = argparse.ArgumentParser(description="Python calls and modules per proxied request")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--kind", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--top", type=int, default=0, help="list the N most-called functions")
+    parser.add_argument("--modules", action="store_true", help="list the pdproxy modules run")
+    args = parser.parse_args(argv)
+    if not 1 <= args.requests <= 100_000:
+        parser.error("--requests must be in 1..100000")
+    asyncio.run(_run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Typed errors of pdproxy.fleet.membership.
+
+Hierarchy::
+
+    ProxyError (pdproxy.errors)
+    └── MembershipError         dynamic membership could not apply a change
+        ├── MemberConflict      the name belongs to a configured backend or another source
+        └── AnnouncementRefused an authenticated announcement the proxy will not act on
+                                (an address outside the allowed networks, the registrant cap)
+
+Malformed announcements are :class:`kvtier.errors.AnnouncementError` (the wire format's own
+error); the registration listener counts both and drops the message.
+"""
+
+from __future__ import annotations
+
+from pdproxy.errors import ProxyError
+
+
+class MembershipError(ProxyError):
+    """Dynamic membership could not apply a change."""
+
+
+class MemberConflict(MembershipError):
+    """A backend of that name exists and belongs to the config, the admin API or another
+    source (or registrant): it is neither replaced nor drained."""
+
+
+class AnnouncementRefused(MembershipError):
+    """An authenticated announcement the proxy will not act on (the reason is a short label
+    for metrics: ``address``, ``full``, ``owner``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason

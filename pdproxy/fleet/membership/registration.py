@@ -1,0 +1,263 @@
+"""Worker self-registration: a ZMQ ROUTER that workers announce themselves and heartbeat to.
+
+The message is vLLM's (:mod:`kvtier.announce`): a worker's DEALER sends it every few seconds;
+the first one joins the backend, later ones refresh it, ``leaving`` drains it at once, and a
+registrant silent for ``heartbeat_timeout_s`` is drained. Drained registrants are removed once
+their legs in flight have ended (:class:`~pdproxy.fleet.membership.members.Membership`).
+
+Threat model (who may connect, what they can make the proxy do):
+
+- *Anyone who reaches the port* can open TCP connections. Without a CURVE client key that the
+  proxy admits (``curve_clients_dir``), the handshake fails in libzmq and nothing reaches this
+  code: no registration, drain or replacement. Connections that do not finish the handshake
+  are closed after ``handshake_timeout_s``; the number of open connections is not capped here
+  (libzmq has no such option): firewall the port to the workers' network.
+- *An admitted worker* (a key in the directory) can register backends, but only at its own
+  address (the source address of its connection; ``allowed_networks`` widens that), never a
+  name that belongs to a configured backend, a DNS group or another key (:class:`MemberConflict`
+  by owner = client key), at most ``max_registrants`` backends in all, and it can drain or
+  replace only what its own key registered. Every announced host must be an IP literal; a
+  wildcard events endpoint (which would make the proxy bind) is refused by the wire format.
+- *Memory*: libzmq drops any message over ``max_message_bytes`` before allocating it; at most
+  ``RCVHWM`` messages queue; messages past ``max_messages_per_s`` (all) or
+  ``max_messages_per_key_s`` (per key) are dropped before decoding; decoding bounds every
+  string, list and map (:func:`kvtier.announce.decode`).
+- Registered backends receive client prompts and ``api_key``: only admit keys of workers you
+  would list in the config.
+
+Attacker tests: ``tests/pdproxy/fleet/membership/test_registration_attacker.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter
+
+from kvtier.announce import Announcement, decode
+from kvtier.errors import AnnouncementError
+from kvtier.events.curve import ClientGate, load_server, make_server
+from pdproxy.fleet.membership.errors import AnnouncementRefused, MemberConflict
+from pdproxy.fleet.membership.members import Membership
+from pdproxy.settings import BackendConfig, Dialect
+from pdproxy.settings.backends import Role
+from pdproxy.settings.membership import RegistrationSettings
+
+log = logging.getLogger(__name__)
+
+SOURCE = "registration"
+_ROLES = {"P": Role.PRODUCER, "D": Role.CONSUMER, "PD": Role.BOTH}
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_RCVHWM = 1024
+
+
+def key_id(client_key: str) -> str:
+    """A short, stable label for a client public key (admin listing, logs)."""
+    return hashlib.blake2s(client_key.encode(), digest_size=6).hexdigest()
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """A token bucket: ``rate`` tokens a second, at most ``rate`` (one second of burst)."""
+
+    rate: float
+    tokens: float
+    at: float
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(max(self.rate, 1.0), self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+class RegistrationListener:
+    def __init__(
+        self,
+        settings: RegistrationSettings,
+        membership: Membership,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        metrics_registry: CollectorRegistry | None = None,
+    ) -> None:
+        self._settings = settings
+        self._membership = membership
+        self._clock = clock
+        self._networks = [ipaddress.ip_network(n, strict=False) for n in settings.allowed_networks]
+        now = clock()
+        self._all = _Bucket(settings.max_messages_per_s, settings.max_messages_per_s, now)
+        self._per_key: dict[str, _Bucket] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._gate: ClientGate | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.endpoint: str | None = None
+        """The bound endpoint (the port filled in when the setting's was 0)."""
+        self.messages = Counter(
+            "pdproxy_registration_messages",
+            "Registration messages by outcome (joined, refreshed, left, malformed, address, "
+            "full, conflict, owner, rate, frames)",
+            ["outcome"],
+            registry=metrics_registry,
+        )
+
+    @property
+    def refused_handshakes(self) -> int:
+        """CURVE handshakes the gate refused (unknown client keys)."""
+        return self._gate.refused if self._gate is not None else 0
+
+    async def start(self) -> None:
+        s = self._settings
+        if s.endpoint is None or self._sock is not None:
+            return
+        assert s.curve_secret_key_file is not None and s.curve_clients_dir is not None
+        keys = load_server(s.curve_secret_key_file, s.curve_clients_dir)
+        self._ctx = zmq.asyncio.Context()
+        self._gate = ClientGate(self._ctx, keys)
+        self._gate.start()
+        sock = self._sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, s.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(s.handshake_timeout_s * 1000))
+        make_server(sock, keys)
+        sock.bind(s.endpoint)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._receive(sock), name="pdproxy-registration"),
+            loop.create_task(self._expire(), name="pdproxy-registration-expiry"),
+        ]
+        log.info("registration: listening on %s (CURVE)", self.endpoint)
+
+    async def close(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._gate is not None:
+            await self._gate.stop()
+            self._gate = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            if len(frames) != 2:  # routing id + one message frame, as vLLM's DEALER sends
+                self.messages.labels("frames").inc()
+                continue
+            last = frames[-1]
+            try:
+                outcome = self.accept(
+                    last.bytes, str(last.get("User-Id")), str(last.get("Peer-Address"))
+                )
+            except Exception:
+                log.exception("registration: message handling failed")
+                outcome = "error"
+            self.messages.labels(outcome).inc()
+
+    async def _expire(self) -> None:
+        timeout = self._settings.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(timeout / 4, 1.0))
+            self._membership.expire(SOURCE, timeout)
+
+    def accept(self, payload: bytes, client_key: str, peer: str) -> str:
+        """Act on one authenticated message; the outcome label. ``client_key`` is the sender's
+        CURVE public key (z85), ``peer`` its connection's source address."""
+        now = self._clock()
+        bucket = self._per_key.get(client_key)
+        if bucket is None:
+            rate = self._settings.max_messages_per_key_s
+            bucket = self._per_key[client_key] = _Bucket(rate, rate, now)
+        if not self._all.take(now) or not bucket.take(now):
+            return "rate"
+        try:
+            announcement = decode(payload)
+            self._check_addresses(announcement, peer)
+        except AnnouncementError as exc:
+            log.debug("registration: malformed announcement from %s: %s", key_id(client_key), exc)
+            return "malformed"
+        except AnnouncementRefused as exc:
+            log.warning("registration: refused %s: %s", key_id(client_key), exc)
+            return exc.reason
+        config = self.backend_config(announcement)
+        owner = key_id(client_key)
+        member = self._membership.get(config.name)
+        if member is not None and (member.source, member.owner) != (SOURCE, owner):
+            log.warning("registration: %s may not announce %s", owner, config.name)
+            return "owner"
+        if announcement.leaving:
+            if member is None:
+                return "unknown"
+            self._membership.leave(config.name, "announced leaving")
+            return "left"
+        if member is None and self._membership.count(SOURCE) >= self._settings.max_registrants:
+            log.warning("registration: %d registrants, refusing %s", self._membership.count(SOURCE),
+                        config.name)  # fmt: skip
+            return "full"
+        try:
+            self._membership.join(SOURCE, owner, config)
+        except MemberConflict as exc:
+            log.warning("registration: %s", exc)
+            return "conflict"
+        return "refreshed" if member is not None else "joined"
+
+    def _check_addresses(self, announcement: Announcement, peer: str) -> None:
+        for host in announcement.hosts():
+            try:
+                address = ipaddress.ip_address(host)
+            except ValueError:
+                raise AnnouncementRefused(
+                    "address", "announced hosts must be IP addresses"
+                ) from None
+            if self._networks:
+                if not any(address in network for network in self._networks):
+                    raise AnnouncementRefused("address", f"{address} is not in allowed_networks")
+            elif _unmapped(address) != _unmapped(ipaddress.ip_address(peer)):
+                raise AnnouncementRefused(
+                    "address", f"{address} is not the sender's own address {peer}"
+                )
+
+    def backend_config(self, announcement: Announcement) -> BackendConfig:
+        role = _ROLES[announcement.kind]
+        host, port = announcement.http_address.rsplit(":", 1)
+        name = announcement.name or f"reg-{_UNSAFE.sub('-', host.strip('[]'))}-{port}"
+        # Kept for every role: every worker is a P2P holder, and a consumer's address is where
+        # a pull (remote_kv_source) fetches from. It is never a producer's address: a consumer
+        # is never a producer candidate, and the hosts were checked like the others above.
+        return BackendConfig(
+            name=name[:64],
+            url=f"http://{announcement.http_address}",
+            role=role,
+            dialect=Dialect(announcement.dialect or self._settings.dialect),
+            api_key=self._settings.api_key,
+            models=announcement.models,
+            kv_address=announcement.kv_address,
+            events_endpoint=announcement.events_endpoint,
+            events_replay_endpoint=announcement.events_replay_endpoint,
+            data_parallel_size=announcement.dp_size,
+        )
+
+
+def _unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """An IPv4-mapped IPv6 address (``::ffff:1.2.3.4``) compares equal to its IPv4 form."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)

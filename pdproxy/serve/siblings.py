@@ -1,0 +1,208 @@
+"""How the processes of one ``pdproxy serve --workers N`` reach each other.
+
+Each process serves its app on a private Unix socket as well as on the shared port
+(:mod:`pdproxy.serve.process_group`). Over it, and only over it, a process answers as itself alone:
+
+- ``GET /metrics`` over the shared port collects every sibling's own ``/metrics`` over their
+  Unix sockets and answers the sum (:func:`merge_expositions`), so a scrape sees the proxy as a
+  whole whichever process it reaches;
+- an admin change (``POST``/``DELETE`` under ``/admin/``) that succeeds over the shared port is
+  replayed, with the same authorization, to every sibling, so all processes route alike.
+
+Threat model: the Unix sockets sit in a 0700 directory made by the supervisor, so only its user
+(and root) can connect; a request over them is still a normal request (the admin API still
+needs the admin key); it only skips the fan-out. Nothing arriving over TCP can ask for
+"this process only" behaviour: that is decided by the socket a request arrived on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdproxy.front.responses import error_response
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+ADDITIVE_GAUGES = frozenset({"pdproxy_backend_in_flight", "pdproxy_queue_depth"})
+"""Gauges that count per-process things (summed); every other gauge describes a state each
+process sees for itself (breaker, health, index size): the largest value is reported."""
+
+
+@dataclass(frozen=True, slots=True)
+class Siblings:
+    directory: Path
+    index: int
+    count: int
+
+    @property
+    def own_path(self) -> str:
+        return str(self.directory / f"{self.index}.sock")
+
+    def others(self) -> list[Path]:
+        return [self.directory / f"{i}.sock" for i in range(self.count) if i != self.index]
+
+    def is_sibling_request(self, server: object) -> bool:
+        """True for a request that arrived on this process's Unix socket (ASGI ``server``)."""
+        return isinstance(server, tuple | list) and bool(server) and server[0] == self.own_path
+
+    async def _call(
+        self, path: Path, method: str, target: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, bytes] | None:
+        try:
+            connector = aiohttp.UnixConnector(path=str(path))
+            async with (
+                aiohttp.ClientSession(connector=connector, timeout=_TIMEOUT) as session,
+                session.request(
+                    method, "http://sibling" + target, headers=headers, data=body
+                ) as resp,
+            ):
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.warning("sibling %s did not answer %s %s: %s", path.name, method, target, exc)
+            return None
+
+    async def fan_out(
+        self, method: str, target: str, headers: dict[str, str], body: bytes = b""
+    ) -> list[tuple[int, bytes] | None]:
+        """The same request to every other process (None where one did not answer)."""
+        calls = (self._call(p, method, target, headers, body) for p in self.others())
+        return list(await asyncio.gather(*calls))
+
+    def is_admin_change_to_share(self, scope: Scope) -> bool:
+        """An admin change that arrived over the shared port (not from a sibling)."""
+        return (
+            scope["type"] == "http"
+            and scope["method"] in ("POST", "DELETE")
+            and scope["path"].startswith("/admin/")
+            and not self.is_sibling_request(scope.get("server"))
+        )
+
+    async def share_admin_change(
+        self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, max_body: int
+    ) -> None:
+        """The admin change made here by ``app``, then, when it succeeded, in every sibling."""
+        try:
+            body = await _read_body(receive, max_body)
+        except _BodyTooLarge:
+            response = error_response(413, "request body too large", code="body_too_large")
+            await response(scope, receive, send)
+            return
+        if body is None:
+            return  # the client left before its request was complete: nothing to change
+        status = 0
+
+        async def replay() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await app(scope, replay, watch)
+        if not 200 <= status < 300:
+            return
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k in (b"authorization", b"content-type")
+        }
+        query = scope.get("query_string", b"")
+        target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+        for answer in await self.fan_out(scope["method"], target, headers, body):
+            if answer is None or not 200 <= answer[0] < 300:
+                log.error(
+                    "an admin change did not reach every proxy process: %s %s",
+                    scope["method"], scope["path"],
+                )  # fmt: skip
+
+    async def metrics(self, own: bytes) -> bytes:
+        answers = await self.fan_out("GET", "/metrics", {})
+        texts = [own.decode()]
+        texts += [a[1].decode() for a in answers if a is not None and a[0] == 200]
+        missing = sum(1 for a in answers if a is None or a[0] != 200)
+        return merge_expositions(texts, missing)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body (None: the client left); raises :class:`_BodyTooLarge`."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class _Families:
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def merge_expositions(texts: list[str], missing: int = 0) -> bytes:
+    """Prometheus text expositions of the processes, merged: counters, histograms and the
+    :data:`ADDITIVE_GAUGES` summed per label set, other gauges the maximum, ``_created`` the
+    earliest. Adds ``pdproxy_proxy_processes`` (answered) and ``..._unreachable``."""
+    merged: dict[str, Metric] = {}
+    values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            out = merged.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type, family.unit)
+            )
+            for s in family.samples:
+                key = (family.name, s.name, tuple(sorted(s.labels.items())))
+                old = values.get(key)
+                if old is None:
+                    values[key] = s.value
+                elif s.name.endswith("_created"):
+                    values[key] = min(old, s.value)
+                elif family.type == "gauge" and family.name not in ADDITIVE_GAUGES:
+                    values[key] = max(old, s.value)
+                else:
+                    values[key] = old + s.value
+                if old is None:
+                    out.samples.append(Sample(s.name, dict(s.labels), math.nan))
+    for family in merged.values():
+        family.samples = [
+            s._replace(value=values[(family.name, s.name, tuple(sorted(s.labels.items())))])
+            for s in family.samples
+        ]
+    up = Metric("pdproxy_proxy_processes", "Proxy processes whose metrics are included", "gauge")
+    up.add_sample("pdproxy_proxy_processes", {}, float(len(texts)))
+    lost = Metric(
+        "pdproxy_proxy_processes_unreachable",
+        "Proxy processes that did not answer this scrape",
+        "gauge",
+    )
+    lost.add_sample("pdproxy_proxy_processes_unreachable", {}, float(missing))
+    return generate_latest(_Families([*merged.values(), up, lost]))

@@ -1,0 +1,222 @@
+"""Proxy settings: one pydantic-settings object, passed explicitly.
+
+Sources, highest priority first: keyword arguments (the CLI), environment variables
+(``PDPROXY_*``, nested with ``__``, e.g. ``PDPROXY_TIMEOUTS__CONNECT_S=1``), the config file
+(YAML or JSON, named by ``config_file``), then defaults. Nothing is read at import time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from pdproxy.errors import ConfigError
+from pdproxy.settings.backends import (
+    BackendConfig,
+    BreakerSettings,
+    HealthSettings,
+    RetrySettings,
+    TimeoutSettings,
+    UpstreamSettings,
+)
+from pdproxy.settings.membership import MembershipSettings
+from pdproxy.settings.models import ModelsSettings
+from pdproxy.settings.tracing import OtelSettings, otel_settings
+
+
+class ApiKey(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: SecretStr
+    trusted: bool = False
+    """Trusted callers may send their own ``kv_transfer_params``."""
+
+
+class AdmissionSettings(BaseModel):
+    """A request takes its admission slot before its body is read, so at most
+    ``max_concurrent`` bodies (each at most ``max_body_bytes``) are ever buffered."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_concurrent: int = Field(default=1024, ge=1)
+    queue_size: int = Field(default=1024, ge=0)
+    queue_timeout_s: float = Field(default=10.0, gt=0)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+    """4 MiB: a 1M-token text prompt (~4 bytes a token) or ~600k token ids as JSON; images
+    belong in URLs. Bounds the memory one request pins and the CPU its parsing costs."""
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest time to receive a whole body (4 MiB in 30 s is ~140 KB/s): a slow sender is
+    answered 408 and its connection closed, freeing the slot."""
+    max_connections: int = Field(default=4096, ge=1)
+    """Open client connections (uvicorn's ``limit_concurrency``): beyond it, 503 at once."""
+
+
+class FailoverSettings(BaseModel):
+    """``max_migrations`` 0 (the default) keeps today's behaviour: a consumer failing after the
+    first byte ends the stream with an error event. 1 or 2: the stream moves to another consumer
+    that many times at most."""
+
+    max_migrations: int = Field(default=0, ge=0, le=2)
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """Reads the YAML/JSON file named by ``config_file``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self._data = load_config_file(path) if path is not None else {}
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Parse a YAML or JSON config file into a mapping."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except ValueError as exc:  # json's message holds positions only
+        raise ConfigError(f"config file {path} does not parse: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} does not parse: {_yaml_problem(exc)}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level")
+    data.pop("config_file", None)
+    return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's own text quotes the offending line, which may hold a key: position only."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or "invalid YAML"
+    if mark is None:
+        return str(problem)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+
+
+def validation_error_text(exc: ValidationError) -> str:
+    """A settings error without the offending values: pydantic's own text quotes every input,
+    and a value in the wrong place or of the wrong type may be a key."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"{where}: {error['msg']}")
+    return "; ".join(lines)
+
+
+class ProxySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="PDPROXY_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    config_file: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    log_level: str = "info"
+
+    backends: list[BackendConfig] = Field(default_factory=list)
+    router: Literal["round_robin", "least_loaded", "kv"] = "round_robin"
+    router_options: dict[str, Any] = Field(default_factory=dict)
+    """Free-form options for the chosen router (the KV-aware router validates its own)."""
+
+    api_keys: list[ApiKey] = Field(default_factory=list)
+    """Client keys; empty means no client authentication."""
+    admin_key: SecretStr | None = None
+    """Bearer key for ``/admin``; the admin API is off when unset."""
+
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
+    retries: RetrySettings = Field(default_factory=RetrySettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    membership: MembershipSettings = Field(default_factory=MembershipSettings)
+    """Backends found by DNS or announced by workers (``pdproxy.fleet.membership``)."""
+    models: ModelsSettings = Field(default_factory=ModelsSettings)
+    """Many models behind one proxy: per-model router options, adapters, limits."""
+
+    drain_delay_s: float = Field(default=0.0, ge=0)
+    """After SIGTERM: seconds with readiness false before the listener closes."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """After SIGTERM: the longest in-flight requests may take to finish."""
+    workers: int = Field(default=0, ge=0)
+    """``pdproxy serve`` processes on the one port; 0: one per core (see README, "Several
+    processes")."""
+    models_cache_s: float = Field(default=5.0, ge=0)
+    """How long ``GET /v1/models`` answers from its last fan-out to the backends."""
+    server_timing: bool = True
+    debug_headers: bool = False
+    """Answer ``x-pdproxy-debug: 1`` with an ``x-pdproxy-route`` header explaining the routing
+    decision. Off by default: the explanation names backends and their load."""
+    tracing: OtelSettings = Field(default_factory=OtelSettings)
+    """OpenTelemetry tracing, from the standard ``OTEL_*`` variables
+    (:mod:`pdproxy.settings.tracing`); off unless an exporter or an OTLP endpoint is set."""
+    data_parallel_routing: Literal["auto", "on", "off"] = "auto"
+    """Route to each data-parallel rank of a backend with ``data_parallel_size`` > 1 (its own
+    residency and load, ``X-data-parallel-rank`` on the legs; :mod:`pdproxy.fleet.dp_ranks`).
+    ``auto``: on when a configured backend has several ranks (else the router is exactly the
+    one without ranks); ``on``: also for backends with several ranks added at run time;
+    ``off``: ranks are left to the engine's own balancer (rank-blind, one node per backend)."""
+
+    failover: FailoverSettings = Field(default_factory=FailoverSettings)
+    """Mid-stream failover of streamed answers (:mod:`pdproxy.request.failover`)."""
+
+    _tracing_over_env = field_validator("tracing", mode="before")(otel_settings)
+
+    @model_validator(mode="after")
+    def _unique_backend_names(self) -> ProxySettings:
+        names = [b.name for b in self.backends]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate backend names: {dupes}")
+        cap = self.admission.max_concurrent
+        for model in {*self.models.served, "*"}:
+            limits = self.models.limits_of(model) if model != "*" else self.models.default_limits
+            if limits is not None and limits.max_concurrent + limits.queue_size >= cap:
+                raise ValueError(
+                    f"models: limits of {model!r} (max_concurrent + queue_size) must stay below "
+                    f"admission.max_concurrent ({cap}), or one model can starve the others"
+                )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path: Path | None = None
+        if isinstance(init_settings, InitSettingsSource):
+            raw = init_settings.init_kwargs.get("config_file")
+            path = Path(raw) if raw is not None else None
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls, path))
