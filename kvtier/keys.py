@@ -58,11 +58,6 @@ def root_hash(model_seed: str) -> BlockHash:
     return BlockHash(xxhash.xxh3_128_digest(_SEED_DOMAIN + model_seed.encode("utf-8")))
 
 
-def hash_block(parent: BlockHash, block_tokens: bytes, extra: bytes = b"") -> BlockHash:
-    """One link of the chain. ``block_tokens`` is the output of :func:`encode_tokens`."""
-    return BlockHash(xxhash.xxh3_128_digest(parent + block_tokens + extra))
-
-
 def salt_extra(cache_salt: str | None) -> bytes:
     """Block 0's extra for a cache salt (empty when there is none)."""
     return b"" if not cache_salt else _SALT_DOMAIN + cache_salt.encode("utf-8")

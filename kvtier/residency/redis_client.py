@@ -41,10 +41,6 @@ def hash_tag(namespace: str, model_seed: str) -> str:
     return "{" + clean + "}"
 
 
-def is_cluster_url(url: str) -> bool:
-    return url.split("://", 1)[0] in CLUSTER_SCHEMES
-
-
 def connect(
     url: str, *, socket_timeout_s: float, connect_timeout_s: float, max_connections: int = 64
 ) -> RedisClient:

@@ -115,7 +115,7 @@ class KvtierWorker:
         self.manager = TieringManager(self.pool, [self.tier])
         self.identity = LocalIdentity.from_settings(engine_id, self.fingerprint, p2p)
         # Any node with a server is also a holder: it answers remote_kv_source offers from
-        # its host pages (blocks only in vLLM's KV cache cannot be offered, see the README).
+        # its host pages (blocks only in vLLM's KV cache cannot be offered, see docs/vllm.md).
         self.server = (
             P2PServer(p2p, self.identity, self.registry, holdings=PoolHoldings(self.tier))
             if produces

@@ -136,7 +136,7 @@ class VllmInstance:
 
 
 def engine_env(side_channel_port: int | None) -> dict[str, str]:
-    """Environment that makes vLLM's CPU build work here (measured; see README, vLLM)."""
+    """Environment that makes vLLM's CPU build work here (measured; see docs/vllm.md)."""
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per instance
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several instances share few cores
