@@ -7,6 +7,8 @@ only type checking sees still means two modules that cannot be read apart.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pdproxy
@@ -138,3 +140,17 @@ def test_top_level_is_short() -> None:
     for folder in (p for p in ROOT.iterdir() if (p / "__init__.py").exists()):
         doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
         assert doc and "Rule" in doc, f"pdproxy/{folder.name}/__init__.py states no rule"
+
+
+def test_settings_import_no_runtime() -> None:
+    """Rule 1 of ``pdproxy/settings``: loading the settings loads no part of the runtime."""
+    code = (
+        "import sys, pdproxy.settings\n"
+        "ours = {'pdproxy', 'pdproxy.errors', 'pdproxy.origin', 'kvtier', 'kvtier.events',\n"
+        "        'kvtier.events.ranks'}\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('pdproxy', 'kvtier', 'zmq',\n"
+        "             'starlette', 'fastapi', 'prometheus_client', 'uvicorn', 'redis')\n"
+        "             and m not in ours and not m.startswith('pdproxy.settings'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
