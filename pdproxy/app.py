@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -39,7 +39,7 @@ from pdproxy.fleet.health import HealthChecker
 from pdproxy.fleet.membership.service import MembershipService
 from pdproxy.fleet.models import ModelCatalog, ModelLearner, ModelList
 from pdproxy.front.admission import Admission, ModelAdmission, ModelMetrics
-from pdproxy.front.intake import ClientKeys
+from pdproxy.front.intake import ENDPOINTS, ClientKeys, Endpoint
 from pdproxy.front.protocol import HotRequest
 from pdproxy.front.responses import client_error_response, error_response
 from pdproxy.observe.metrics import ProxyMetrics
@@ -76,6 +76,8 @@ class ProxyState:
         self.registry = BackendRegistry(settings.breaker, clock)
         for config in settings.backends:
             self.registry.add(config)
+        self.keys = ClientKeys(settings.api_keys)
+        """The client keys, for the completion routes and ``/v1/models`` alike."""
         self.admission = Admission(settings.admission)
         self.metrics = ProxyMetrics(self.registry, lambda: self.admission.queue_depth)
         self.catalog = ModelCatalog(settings.models, self.registry)
@@ -104,6 +106,7 @@ class ProxyState:
         )  # fmt: skip
         self.request_path = RequestPath(
             settings=settings,
+            keys=self.keys,
             registry=self.registry,
             router=self.router,
             upstream=self.upstream,
@@ -154,11 +157,11 @@ class ProxyApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            route = _HOT_ROUTES.get(scope["path"])
-            if route is not None:
+            endpoint = ENDPOINTS.get(scope["path"])
+            if endpoint is not None:
                 request = HotRequest(scope, receive)
                 try:
-                    response = await self.pdproxy_state.request_path.handle(request, route)
+                    response = await self.pdproxy_state.request_path.handle(request, endpoint)
                 except Exception:
                     log.exception("unhandled error on %s", scope["path"])
                     response = error_response(500, "internal proxy error", code="internal_error")
@@ -170,9 +173,6 @@ class ProxyApp(FastAPI):
             await siblings.share_admin_change(super().__call__, scope, receive, send, limit)
             return
         await super().__call__(scope, receive, send)
-
-
-_HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 def _json(data: object, status: int = 200) -> Response:
@@ -213,14 +213,15 @@ def create_app(
     app.state.pdproxy = state
     app.pdproxy_state = state
     path = state.request_path
+    keys = state.keys
 
-    async def completions(request: Request) -> Response:
-        return await path.handle(request, "completions")
+    def serving(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+        """The route of ``endpoint`` when the fast path is bypassed (FastAPI's own dispatch)."""
 
-    async def chat_completions(request: Request) -> Response:
-        return await path.handle(request, "chat")
+        async def route(request: Request) -> Response:
+            return await path.handle(request, endpoint)
 
-    keys = ClientKeys(settings.api_keys)
+        return route
 
     async def models(request: Request) -> Response:
         try:
@@ -256,8 +257,8 @@ def create_app(
         )  # fmt: skip
 
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    for endpoint in Endpoint:
+        app.add_route(endpoint.path, serving(endpoint), methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/ready", ready, methods=["GET"])

@@ -1,5 +1,5 @@
-"""Taking a client request in: its API key, its body (size- and time-limited while read), and
-the gate on ``kv_transfer_params``.
+"""Taking a client request in: the endpoint it was sent to, its API key, its body (size- and
+time-limited while read), and the gate on ``kv_transfer_params``.
 
 Decode and re-encode client JSON bodies without re-typing anything.
 
@@ -20,15 +20,38 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import orjson
 from starlette.datastructures import Headers
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
 from pdproxy.errors import BodyReadTimeout, BodyTooLarge, ClientRequestError
 from pdproxy.settings import ApiKey
+
+
+class Endpoint(StrEnum):
+    """An OpenAI endpoint the proxy serves. Its value is its name everywhere a name is shown:
+    the ``route`` label of the metrics, ``RouteRequest.endpoint``, the trace's
+    ``pdproxy.route``. Its :attr:`path` is where clients post it and where both legs go."""
+
+    path: str
+    """``/v1/completions``: the client's path, and the upstream path of every leg."""
+
+    def __new__(cls, name: str, path: str) -> Endpoint:
+        member = str.__new__(cls, name)
+        member._value_ = name
+        member.path = path  # a plain attribute: read on every leg, never a call
+        return member
+
+    COMPLETIONS = "completions", "/v1/completions"
+    CHAT = "chat", "/v1/chat/completions"
+
+
+ENDPOINTS = {endpoint.path: endpoint for endpoint in Endpoint}
+"""Each endpoint by its path (the app's dispatch)."""
 
 
 def _digest(key: str) -> bytes:
@@ -72,9 +95,9 @@ class _Deadline:
         self._task.cancel()
 
 
-def check_declared_size(request: Request, limit: int) -> None:
+def check_declared_size(headers: Headers, limit: int) -> None:
     """413 at once when ``content-length`` already says the body is too large."""
-    declared = request.headers.get("content-length")
+    declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
 

@@ -44,6 +44,8 @@ from typing import Any
 
 import orjson
 
+from pdproxy.front.intake import Endpoint
+
 CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
 
 _STRUCTURED = (
@@ -66,7 +68,7 @@ def _set(data: dict[str, Any], name: str) -> bool:
     return value is not None and value is not False and value not in (0, [], {})
 
 
-def migration_refusal(route: str, data: dict[str, Any]) -> str | None:
+def migration_refusal(endpoint: Endpoint, data: dict[str, Any]) -> str | None:
     """Why a request's stream could not migrate exactly (None: it can)."""
     for name in ("n", "best_of"):
         value = data.get(name, 1)
@@ -81,7 +83,7 @@ def migration_refusal(route: str, data: dict[str, Any]) -> str | None:
     fmt = data.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         return "response_format"
-    if route == "completions":
+    if endpoint == Endpoint.COMPLETIONS:
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             return None
@@ -110,7 +112,7 @@ def first_leg(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def continuation_body(
-    route: str, data: dict[str, Any], ledger: StreamLedger
+    endpoint: Endpoint, data: dict[str, Any], ledger: StreamLedger
 ) -> dict[str, Any] | str:
     """The body of a continuation leg, or why there can be none."""
     if not ledger.counted and ledger.text:
@@ -131,7 +133,7 @@ def continuation_body(
     if not done and not ledger.text:
         return out  # nothing generated yet: the request itself, sent again
     text = ledger.generated_text
-    if route == "completions":
+    if endpoint == Endpoint.COMPLETIONS:
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]

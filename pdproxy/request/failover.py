@@ -17,9 +17,9 @@ A consumer that fails after the last token (every choice finished) needs no new 
 closes the stream itself (usage if asked, ``[DONE]``). A client that left is never migrated.
 When no migration is left, none is possible, or no consumer answers, the stream ends with the
 error event of a plain relay. Each outcome is counted in ``pdproxy_stream_migrations``.
-Every leg holds its consumer (in flight, breaker) through its own
-:class:`~pdproxy.request.lease.BackendHold`, released when that leg ends; a failed leg makes its
-consumer a suspect of the request's lease, as with a plain relay.
+Every leg holds its consumer (in flight, breaker) through its own hold from the request's lease
+(:class:`~pdproxy.request.relay.StreamLease`), released when that leg ends; a failed leg makes
+its consumer a suspect of the lease, as with a plain relay.
 
 Which streams may migrate, and what a migrating stream knows of its request.
 
@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from prometheus_client import Counter
@@ -45,7 +45,7 @@ from starlette.types import Send
 from pdproxy.errors import LegFailed, LegRefused
 from pdproxy.fleet.backends import Backend
 from pdproxy.front.cancel import CLIENT_DISCONNECT, CONSUMER_IDLE, IdleWatchdog
-from pdproxy.front.intake import ClientBody
+from pdproxy.front.intake import ClientBody, Endpoint
 from pdproxy.front.responses import stream_error_event
 from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.request.continuation import (
@@ -58,16 +58,12 @@ from pdproxy.request.continuation import (
     first_leg,
     migration_refusal,
 )
-from pdproxy.request.legs import ROUTE_PATHS, leg_headers
-from pdproxy.request.relay import Relay
+from pdproxy.request.legs import leg_headers
+from pdproxy.request.relay import LegHold, Relay, StreamEnd
 from pdproxy.settings.proxy import FailoverSettings
 from pdproxy.upstream.client import Upstream
 from pdproxy.upstream.pool import HttpClientError
 from pdproxy.upstream.pool import Response as UpstreamResponse
-
-if TYPE_CHECKING:
-    from pdproxy.request.lease import BackendHold, RequestLease
-
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +74,7 @@ class _ErrorEvent(Exception):
 
 @dataclass(slots=True)
 class _Leg:
-    hold: BackendHold
+    hold: LegHold
     response: UpstreamResponse
     first: bytes
     t0: float
@@ -101,8 +97,10 @@ class MigratingRelay(Relay):
         self.raw_headers = relay.raw_headers
         self._upstream = relay._upstream
         self._first = relay._first
+        self._lease = relay._lease
         self._hold = relay._hold
         self._canceller = relay._canceller
+        self._metrics = relay._metrics
         self._idle_s = relay._idle_s
         self._t0 = relay._t0
         self._plan = plan
@@ -110,7 +108,8 @@ class MigratingRelay(Relay):
         self._tried = tried
         self._base = base
 
-    async def run(self, send: Send, lease: RequestLease) -> bool:
+    async def run(self, send: Send) -> StreamEnd:
+        lease = self._lease
         leg = _Leg(self._hold, self._upstream, self._first, self._t0)
         ledger = StreamLedger()
         shaper = self._plan.shaper(ledger, continuation=False)
@@ -127,31 +126,27 @@ class MigratingRelay(Relay):
             except asyncio.CancelledError as exc:
                 if not canceller.owns(exc):
                     raise
-                self._end_leg(lease, leg, CLIENT_DISCONNECT)
-                lease.disconnected()
-                return False
+                self._end_leg(leg, CLIENT_DISCONNECT)
+                return self._left(leg)
             while True:
-                failure = await self._follow(send, lease, leg, shaper)
-                self._end_leg(lease, leg, failure)
+                failure = await self._follow(send, leg, shaper)
+                self._end_leg(leg, failure)
                 if failure is None:
-                    lease.cached_tokens = ledger.cached_tokens
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    return True
+                    return StreamEnd(True, leg.hold.backend.name, ledger.cached_tokens, False)
                 if failure == CLIENT_DISCONNECT or (
                     failure == CONSUMER_IDLE and not canceller.rearm(CONSUMER_IDLE)
                 ):
-                    lease.disconnected()
                     log.info("request %s: client left mid-stream", lease.request_id)
-                    return False
+                    return self._left(leg)
                 if ledger.finished:
                     failover.migrations.labels("closed").inc()
                     log.info(
                         "request %s: consumer %s failed (%s) after the last token; stream "
                         "closed by the proxy", lease.request_id, leg.hold.backend.name, failure,
                     )  # fmt: skip
-                    lease.cached_tokens = ledger.cached_tokens
                     await self._send_end(send, shaper.closing_events())
-                    return True
+                    return StreamEnd(True, leg.hold.backend.name, ledger.cached_tokens, False)
                 why = self._why_not(ledger, migrations)
                 body = b""
                 if why is None:
@@ -168,8 +163,8 @@ class MigratingRelay(Relay):
                         lease.request_id, leg.hold.backend.name, failure, why,
                     )  # fmt: skip
                     await self._send_end(send, self._error(failure, ledger))
-                    return False
-                nxt = await self._open_next(lease, body, migrations)
+                    return StreamEnd(False, leg.hold.backend.name, None, False)
+                nxt = await self._open_next(body, migrations)
                 if nxt is None:
                     failover.migrations.labels("exhausted").inc()
                     log.warning(
@@ -177,7 +172,7 @@ class MigratingRelay(Relay):
                         lease.request_id, leg.hold.backend.name, failure,
                     )  # fmt: skip
                     await self._send_end(send, self._error(failure, ledger))
-                    return False
+                    return StreamEnd(False, leg.hold.backend.name, None, False)
                 migrations += 1
                 failover.migrations.labels("migrated").inc()
                 log.warning(
@@ -191,12 +186,14 @@ class MigratingRelay(Relay):
         except asyncio.CancelledError as exc:
             if not canceller.owns(exc):
                 raise
-            lease.disconnected()
             log.info("request %s: client left while the stream migrated", lease.request_id)
-            return False
+            return self._left(leg)
         finally:
             if leg.hold.open:  # an exception on the way out: this leg was never ended
-                self._end_leg(lease, leg, "relay_error")
+                self._end_leg(leg, "relay_error")
+
+    def _left(self, leg: _Leg) -> StreamEnd:
+        return StreamEnd(False, leg.hold.backend.name, None, True)
 
     def _why_not(self, ledger: StreamLedger, migrations: int) -> str | None:
         if migrations >= self._plan.failover.max_migrations:
@@ -215,9 +212,7 @@ class MigratingRelay(Relay):
         except OSError:  # the client went while we closed its stream: nothing left to tell
             log.debug("client gone while its stream was being closed")
 
-    async def _follow(
-        self, send: Send, lease: RequestLease, leg: _Leg, shaper: ChunkShaper
-    ) -> str | None:
+    async def _follow(self, send: Send, leg: _Leg, shaper: ChunkShaper) -> str | None:
         """Relay one leg's events until it ends; the failure, or None for a whole stream."""
         canceller = self._canceller
         splitter = EventSplitter()
@@ -244,7 +239,7 @@ class MigratingRelay(Relay):
                 raise
             failure = canceller.reason
         except HttpClientError as exc:
-            log.warning("request %s: consumer stream broke: %r", lease.request_id, exc)
+            log.warning("request %s: consumer stream broke: %r", self._lease.request_id, exc)
             failure = "consumer_stream_broken"
         except StreamNotFollowable:
             failure = "consumer_stream_unfollowable"
@@ -280,7 +275,7 @@ class MigratingRelay(Relay):
             raise _ErrorEvent
         return shaper.shape(chunk)
 
-    def _end_leg(self, lease: RequestLease, leg: _Leg, failure: str | None) -> None:
+    def _end_leg(self, leg: _Leg, failure: str | None) -> None:
         if failure is not None or not leg.response.at_eof:
             leg.response.close()
         else:
@@ -289,14 +284,15 @@ class MigratingRelay(Relay):
             return
         leg.hold.release()
         name = leg.hold.backend.name
-        lease.observe_leg("consumer", name, time.perf_counter() - leg.t0)
+        self._metrics.observe_leg("consumer", name, time.perf_counter() - leg.t0)
         if failure is not None and failure not in (CLIENT_DISCONNECT, "relay_error"):
-            lease.suspect(leg.hold.backend, failure)
+            self._lease.suspect(leg.hold.backend, failure)
 
-    async def _open_next(self, lease: RequestLease, body: bytes, migrations: int) -> _Leg | None:
+    async def _open_next(self, body: bytes, migrations: int) -> _Leg | None:
         """A continuation leg on the next consumer not tried yet (client leaving cancels)."""
+        lease = self._lease
         failover = self._plan.failover
-        path = ROUTE_PATHS[lease.route]
+        path = self._plan.endpoint.path
         attempt = failover.first_attempts + migrations * len(self._consumers)
         for consumer in self._consumers:
             if consumer.name in self._tried or not consumer.routable:
@@ -333,7 +329,6 @@ class MigratingRelay(Relay):
                 hold.release()
                 continue
             hold.succeeded()
-            lease.consumer = consumer.name
             return _Leg(hold, opened.response, opened.first, t0)
         return None
 
@@ -365,19 +360,19 @@ class StreamFailover:
             registry=metrics.registry,
         )
 
-    def plan(self, route: str, body: ClientBody, stream: bool) -> MigrationPlan | None:
+    def plan(self, endpoint: Endpoint, body: ClientBody, stream: bool) -> MigrationPlan | None:
         """The request's migration plan; None when failover is off or the answer is whole."""
         if not stream or self._settings.max_migrations == 0:
             return None
-        refusal = migration_refusal(route, body.data)
+        refusal = migration_refusal(endpoint, body.data)
         if refusal is not None:
-            log.debug("stream of route %s will not migrate: %s", route, refusal)
+            log.debug("stream of route %s will not migrate: %s", endpoint, refusal)
             return None
         opts = body.data.get("stream_options")
         opts = opts if isinstance(opts, dict) else {}
         return MigrationPlan(
             failover=self,
-            route=route,
+            endpoint=endpoint,
             body=body,
             client_usage=opts.get("include_usage") is True,
             client_continuous=opts.get("include_usage") is True
@@ -402,7 +397,7 @@ class MigrationPlan:
     """What a migrating stream needs to know of its request."""
 
     failover: StreamFailover
-    route: str
+    endpoint: Endpoint
     body: ClientBody
     client_usage: bool
     client_continuous: bool
@@ -414,7 +409,7 @@ class MigrationPlan:
         return self.body.encode(data)
 
     def continuation(self, ledger: StreamLedger) -> bytes | str:
-        made = continuation_body(self.route, self.body.data, ledger)
+        made = continuation_body(self.endpoint, self.body.data, ledger)
         return made if isinstance(made, str) else self.body.encode(made)
 
     def shaper(self, ledger: StreamLedger, continuation: bool) -> ChunkShaper:

@@ -1,11 +1,14 @@
 """One owner per request: :class:`RequestLease`, closed exactly once on every path.
 
-A request takes things that must be given back: its admission slot, one in-flight count per
-backend leg (:class:`BackendHold`), the P2P supplies producers may hold for it, the router's
-ticket (``router.finished``) and its disconnect watcher. The lease holds all of them and
-:meth:`RequestLease.close` gives every one back. The request path hands the server a
-:class:`LeasedResponse`: a plain response closes the lease once sent, a relayed stream once the
-stream ends or the client leaves. Nothing else releases anything.
+A request takes things that must be given back: its admission slot and its model's, one
+in-flight count per backend leg (:class:`BackendHold`), the P2P supplies producers may hold for
+it, the router's ticket (``router.finished``), its disconnect watcher and its trace. The lease
+holds these and nothing else, and :meth:`RequestLease.close` gives every one back. The request
+path (:mod:`pdproxy.request.path`) closes it once the answer is sent, the stream ends or the
+client leaves; nothing else releases anything. What the request *did* (who served, timings,
+retries) is not the lease's: the path keeps it in a
+:class:`~pdproxy.request.record.RequestRecord` and hands it to :meth:`RequestLease.close`,
+which reports it to the router, the metrics and the trace.
 
 Breaker attribution also lives here, because only the end of a request tells whose fault a
 failure was. A leg that failed (transport error, timeout, 5xx, 429) makes its backend a
@@ -19,20 +22,15 @@ once and the breaker counts the failure only if the check fails too.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from pdproxy.errors import KvAddressMismatch, LegFailed
 from pdproxy.fleet.backends import Backend
 from pdproxy.front.admission import Admission, ModelSlot
 from pdproxy.front.cancel import RequestCanceller
 from pdproxy.observe.metrics import ProxyMetrics
-from pdproxy.request.ids import REQUEST_ID_HEADER, RequestId, leg_request_id
-from pdproxy.request.relay import Relay
+from pdproxy.request.record import RequestId, RequestRecord, leg_request_id
 from pdproxy.request.release import Supply, SupplyReleaser
 from pdproxy.routing.base import RequestOutcome, RouteDecision, Router
 
@@ -40,9 +38,6 @@ if TYPE_CHECKING:
     from pdproxy.request.trace import RequestTrace
 
 log = logging.getLogger(__name__)
-
-FALLBACK_HEADER = "x-pdproxy-fallback"
-RETRIES_HEADER = "x-pdproxy-retries"
 
 
 def failure_kind(exc: LegFailed) -> str:
@@ -94,33 +89,30 @@ class BackendHold:
 
 
 class RequestLease:
-    """Everything one client request holds, and what it did (timings, choices) for headers,
-    metrics and the router's outcome."""
+    """Everything one client request holds until it ends. Taken as the request goes (the path
+    and its phases call :meth:`admit_now`/:meth:`admit` and :meth:`hold`, and set
+    :attr:`model_slot`, :attr:`decision`, :attr:`canceller`, :attr:`supply`), given back by
+    :meth:`close`. Runs on the event loop only."""
 
     __slots__ = (
         "_admission", "_admitted", "_closed", "_confirm_failure", "_holds", "_metrics",
-        "_releaser", "_releases", "_router", "_suspects", "cached_tokens", "canceller",
-        "client_request_id", "consumer", "consumer_first_byte_s", "decision", "dialect",
-        "fallback", "model_slot", "producer", "producer_s", "request_id", "retries", "route",
-        "route_s", "stage", "supply", "t0", "trace",
+        "_releaser", "_releases", "_router", "_suspects", "canceller", "decision", "model_slot",
+        "request_id", "supply", "trace",
     )  # fmt: skip
 
     def __init__(
         self,
-        *,
         request_id: RequestId,
-        client_request_id: str | None,
-        route: str,
+        *,
         admission: Admission,
         router: Router,
         releaser: SupplyReleaser,
         metrics: ProxyMetrics,
         confirm_failure: Callable[[Backend], None],
+        trace: RequestTrace | None = None,
     ) -> None:
         self.request_id = request_id
-        self.client_request_id = client_request_id
-        self.route = route
-        self.t0 = time.perf_counter()
+        """Names the releases this lease sends (``<id>-r0``...)."""
         self._admission = admission
         self._router = router
         self._releaser = releaser
@@ -132,25 +124,16 @@ class RequestLease:
         self._suspects: list[Backend] = []
         self._releases = 0
         self.model_slot: ModelSlot | None = None
-        """Its place in its model's admission (per-model limits and metrics)."""
-        self.supply: Supply | None = None
-        """The supply the consumer leg was sent to fetch: released at close unless the request
-        succeeded."""
-        self.canceller: RequestCanceller | None = None
+        """Its place in its model's admission: released with the status the client got."""
         self.decision: RouteDecision[Backend] | None = None
-        self.dialect = "none"
-        self.producer: str | None = None
-        self.consumer: str | None = None
-        self.cached_tokens: int | None = None
-        self.retries = 0
-        self.fallback = False
-        self.route_s = 0.0
-        self.producer_s = 0.0
-        self.consumer_first_byte_s = 0.0
-        self.stage = "read"
-        """Where the request is: read, queue, route, producer, consumer, stream."""
-        self.trace: RequestTrace | None = None
-        """The request's spans when tracing is on (:mod:`pdproxy.request.trace`)."""
+        """The router's ticket: ``router.finished`` is owed for it, once."""
+        self.canceller: RequestCanceller | None = None
+        """The disconnect watcher (from when the body has been read): closed at the end."""
+        self.trace = trace
+        """The request's spans when tracing is on: ended last."""
+        self.supply: Supply | None = None
+        """The supply the consumer leg is sent to fetch: released at close unless the request
+        succeeded (then the consumer fetched it and the producer let it go)."""
 
     @property
     def closed(self) -> bool:
@@ -165,7 +148,6 @@ class RequestLease:
 
     async def admit(self) -> None:
         """Wait in the queue for a slot (raises :class:`~pdproxy.errors.Overloaded`)."""
-        self.stage = "queue"
         await self._admission.acquire()
         self._admitted = True
 
@@ -175,22 +157,23 @@ class RequestLease:
         return hold
 
     def suspect(self, backend: Backend, reason: str) -> None:
+        """``backend`` failed a leg: whose fault it was is settled at :meth:`close`."""
         self._suspects.append(backend)
         self._metrics.upstream_failure(backend.name, reason)
 
-    def disconnected(self) -> None:
-        """The client left; counted by the stage it left in."""
-        self._metrics.disconnect_aborts.labels(stage=self.stage).inc()
-
     def drop_supply(self, supply: Supply) -> None:
-        """A producer attempt that failed or was abandoned: release its supply now."""
+        """Release ``supply`` now: a producer attempt that failed or was abandoned, or the
+        kept one when no consumer will fetch it."""
+        if supply is self.supply:
+            self.supply = None
         self._release_supply(supply)
 
     # -- giving back
 
-    async def close(self, ok: bool, status: int) -> None:
-        """Give everything back; later calls do nothing. ``ok``: the client got a whole
-        successful answer."""
+    async def close(self, ok: bool, status: int, record: RequestRecord) -> None:
+        """Give everything back and report ``record`` (to the metrics, the router, the trace);
+        later calls do nothing. ``ok``: the client got a whole successful answer; ``status``:
+        the one it got."""
         if self._closed:
             return
         self._closed = True
@@ -211,11 +194,11 @@ class RequestLease:
             self._admission.release()
         if self.model_slot is not None:
             self.model_slot.release(status)
-        self._metrics.count_request(self.route, status, self.dialect)
+        self._metrics.count_request(record.endpoint, status, record.dialect)
         if self.decision is not None:
             outcome = RequestOutcome(
-                producer=self.producer, consumer=self.consumer, ok=ok,
-                cached_tokens=self.cached_tokens,
+                producer=record.producer, consumer=record.consumer, ok=ok,
+                cached_tokens=record.cached_tokens,
             )  # fmt: skip
             try:
                 await self._router.finished(self.decision, outcome)
@@ -223,60 +206,10 @@ class RequestLease:
                 log.exception("request %s: router.finished failed", self.request_id)
         if self.trace is not None:  # last: everything above is given back whatever it does
             try:
-                self.trace.end(self, ok, status)
+                self.trace.end(record, ok, status)
             except Exception:
                 log.exception("request %s: ending its trace failed", self.request_id)
 
     def _release_supply(self, supply: Supply) -> None:
         self._releaser.release(supply, leg_request_id(self.request_id, "release", self._releases))
         self._releases += 1
-
-    def observe_leg(self, leg: str, backend: str, seconds: float) -> None:
-        self._metrics.observe_leg(leg, backend, seconds)
-
-    def client_headers(self, server_timing: bool) -> dict[str, str]:
-        """Headers every answer to the client carries: its own request id echoed (the proxy's
-        when it sent none or an unusable one), timings, retry and fallback markers."""
-        headers = {REQUEST_ID_HEADER: self.client_request_id or self.request_id}
-        if server_timing:
-            headers["server-timing"] = self.server_timing()
-        if self.retries:
-            headers[RETRIES_HEADER] = str(self.retries)
-        if self.fallback:
-            headers[FALLBACK_HEADER] = "consumer-only"
-        return headers
-
-    def server_timing(self) -> str:
-        parts = [f"route;dur={self.route_s * 1000:.3f}"]
-        if self.producer_s:
-            parts.append(f"producer;dur={self.producer_s * 1000:.3f}")
-        if self.consumer_first_byte_s:
-            parts.append(f"consumer_fb;dur={self.consumer_first_byte_s * 1000:.3f}")
-        return ", ".join(parts)
-
-
-class LeasedResponse(Response):
-    """What the request path hands the server: a plain response or a relayed stream, with the
-    request's lease closed once it has been sent, the stream ended, or the client left."""
-
-    def __init__(self, lease: RequestLease, body: Response | Relay) -> None:
-        # No super().__init__: the status and headers are the wrapped body's.
-        self.status_code = body.status_code
-        self.background = None
-        self.raw_headers = list(body.raw_headers)
-        self._lease = lease
-        self._body = body
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ok = False
-        try:
-            body = self._body
-            if isinstance(body, Relay):
-                self._lease.stage = "stream"
-                ok = await body.run(send, self._lease)
-            else:
-                body.raw_headers = self.raw_headers
-                await body(scope, receive, send)
-                ok = 200 <= self.status_code < 300
-        finally:
-            await self._lease.close(ok, self.status_code)

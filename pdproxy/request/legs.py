@@ -24,14 +24,11 @@ import orjson
 
 from pdproxy.errors import KvAddressMismatch, LegFailed
 from pdproxy.front.intake import ClientBody
-from pdproxy.request.ids import REQUEST_ID_HEADER, LegKind, RequestId, leg_request_id
+from pdproxy.request.record import REQUEST_ID_HEADER, LegKind, RequestId, leg_request_id
 from pdproxy.routing.base import PullSource
 from pdproxy.settings import Dialect
 
 KvRequestId = NewType("KvRequestId", str)
-
-ROUTE_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-"""The upstream path of each client route; both legs use the client's route."""
 
 PRODUCER_REMOVED_FIELDS = (
     "stream_options",
@@ -164,7 +161,7 @@ def leg_headers(
     auth_header: str | None,
 ) -> dict[str, str]:
     """``base`` (content type, validated trace headers) plus this leg's own id
-    (:func:`~pdproxy.request.ids.leg_request_id`) and the backend's key."""
+    (:func:`~pdproxy.request.record.leg_request_id`) and the backend's key."""
     out = dict(base)
     out[REQUEST_ID_HEADER] = leg_request_id(request_id, leg, attempt)
     if auth_header is not None:

@@ -17,8 +17,8 @@ import orjson
 from pdproxy.fleet.backends import Backend
 from pdproxy.fleet.dp_ranks import with_rank_header
 from pdproxy.observe.metrics import ProxyMetrics
-from pdproxy.request.ids import REQUEST_ID_HEADER, LegRequestId
 from pdproxy.request.legs import KvRequestId
+from pdproxy.request.record import REQUEST_ID_HEADER, LegRequestId
 from pdproxy.settings import Dialect
 from pdproxy.upstream.client import Upstream
 

@@ -13,8 +13,8 @@ Each leg's request carries a ``traceparent`` naming its leg span, so an engine t
 trace; the client's ``tracestate`` and ``baggage`` go along unchanged. Attributes (names under
 ``pdproxy.``) say which backends were candidates and which served, retries, cached tokens and
 the outcome; they are set when the request ends, from the request's
-:class:`~pdproxy.request.lease.RequestLease`, so the request path only marks where phases begin and
-end.
+:class:`~pdproxy.request.record.RequestRecord`, so the request path only marks where phases begin
+and end.
 
 Spans are not attached to the ambient OpenTelemetry context (no contextvars tokens to leak
 across the streamed answer): parents are passed explicitly. The tracer provider is this app's
@@ -54,13 +54,13 @@ from opentelemetry.trace.status import Status, StatusCode
 from starlette.datastructures import Headers
 
 from pdproxy import __version__
+from pdproxy.front.intake import Endpoint
 from pdproxy.observe.trace_context import TraceParent, trace_headers
-from pdproxy.request.legs import ROUTE_PATHS
 from pdproxy.settings.tracing import OtelSettings
 
 if TYPE_CHECKING:
     from pdproxy.fleet.backends import Backend
-    from pdproxy.request.lease import RequestLease
+    from pdproxy.request.record import RequestRecord
     from pdproxy.routing.base import RouteDecision
 
 log = logging.getLogger(__name__)
@@ -150,12 +150,12 @@ class RequestTracer:
         provider.add_span_processor(processor)
         return cls(provider)
 
-    def start(self, request_id: str, route: str, headers: Headers) -> RequestTrace:
+    def start(self, request_id: str, endpoint: Endpoint, headers: Headers) -> RequestTrace:
         forwarded = trace_headers(headers)
         raw_parent = forwarded.get("traceparent")
         parent = TraceParent.parse(raw_parent) if raw_parent is not None else None
         context = _remote_parent(parent, forwarded.get("tracestate")) if parent else None
-        path = ROUTE_PATHS[route]
+        path = endpoint.path
         span = self._tracer.start_span(
             f"POST {path}",
             context=context,
@@ -164,7 +164,7 @@ class RequestTracer:
                 "http.request.method": "POST",
                 "url.path": path,
                 "pdproxy.request_id": request_id,
-                "pdproxy.route": route,
+                "pdproxy.route": str(endpoint),  # the plain name, for any exporter
             },
         )
         return RequestTrace(self._tracer, span)
@@ -176,7 +176,8 @@ class RequestTracer:
 
 class RequestTrace:
     """The spans of one request. The request path calls :meth:`routing`, :meth:`routed`,
-    :meth:`leg` and :meth:`producer_done` as phases go by; the lease calls :meth:`end` once."""
+    :meth:`leg` and :meth:`producer_done` as phases go by; the request's lease calls :meth:`end`
+    once, with what the request did."""
 
     __slots__ = (
         "_consumer", "_context", "_producer", "_producer_retries", "_route", "_span", "_tracer",
@@ -234,21 +235,24 @@ class RequestTrace:
         parent = TraceParent(f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}", int(ctx.trace_flags))
         return {**base, "traceparent": parent.header()}
 
-    def producer_done(self, lease: RequestLease, ok: bool) -> None:
+    def producer_done(self, producer: str | None, retries: int) -> None:
+        """The producer phase is over: ``producer`` served it (None: every attempt failed)
+        after ``retries`` retries."""
         span = self._producer
         if span is None:
             return
-        self._producer_retries = lease.retries
-        if lease.producer is not None:
-            span.set_attribute("pdproxy.backend", lease.producer)
-        span.set_attributes({"pdproxy.retries": lease.retries,
+        self._producer_retries = retries
+        ok = producer is not None
+        if ok:
+            span.set_attribute("pdproxy.backend", producer)
+        span.set_attributes({"pdproxy.retries": retries,
                              "pdproxy.outcome": "ok" if ok else "failed"})  # fmt: skip
         if not ok:
             span.set_status(Status(StatusCode.ERROR, "every producer attempt failed"))
         span.end()
         self._producer = None
 
-    def end(self, lease: RequestLease, ok: bool, status: int) -> None:
+    def end(self, record: RequestRecord, ok: bool, status: int) -> None:
         """The request is over (answer sent, stream ended, client gone, or refused)."""
         outcome = _outcome(ok, status)
         for span in (self._route, self._producer):
@@ -257,12 +261,12 @@ class RequestTrace:
                 span.end()
         consumer = self._consumer
         if consumer is not None:
-            if lease.consumer is not None:
-                consumer.set_attribute("pdproxy.backend", lease.consumer)
-            if lease.cached_tokens is not None:
-                consumer.set_attribute("pdproxy.cached_tokens", lease.cached_tokens)
+            if record.consumer is not None:
+                consumer.set_attribute("pdproxy.backend", record.consumer)
+            if record.cached_tokens is not None:
+                consumer.set_attribute("pdproxy.cached_tokens", record.cached_tokens)
             consumer.set_attributes({
-                "pdproxy.retries": lease.retries - self._producer_retries,
+                "pdproxy.retries": record.retries - self._producer_retries,
                 "pdproxy.outcome": outcome,
                 "http.response.status_code": status,
             })  # fmt: skip
@@ -272,17 +276,17 @@ class RequestTrace:
         span = self._span
         span.set_attributes({
             "http.response.status_code": status,
-            "pdproxy.dialect": lease.dialect,
-            "pdproxy.retries": lease.retries,
-            "pdproxy.fallback": lease.fallback,
+            "pdproxy.dialect": record.dialect,
+            "pdproxy.retries": record.retries,
+            "pdproxy.fallback": record.fallback,
             "pdproxy.outcome": outcome,
         })  # fmt: skip
-        if lease.producer is not None:
-            span.set_attribute("pdproxy.producer", lease.producer)
-        if lease.consumer is not None:
-            span.set_attribute("pdproxy.consumer", lease.consumer)
-        if lease.cached_tokens is not None:
-            span.set_attribute("pdproxy.cached_tokens", lease.cached_tokens)
+        if record.producer is not None:
+            span.set_attribute("pdproxy.producer", record.producer)
+        if record.consumer is not None:
+            span.set_attribute("pdproxy.consumer", record.consumer)
+        if record.cached_tokens is not None:
+            span.set_attribute("pdproxy.cached_tokens", record.cached_tokens)
         if status >= 500:
             span.set_status(Status(StatusCode.ERROR))
         span.end()

@@ -1,4 +1,5 @@
-"""The hot routes' indexed headers answer exactly as Starlette's ``Headers`` (property test)."""
+"""The hot routes: which endpoint a path is, and their indexed headers, which answer exactly as
+Starlette's ``Headers`` (property test)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.datastructures import Headers
 
+from pdproxy.front.intake import ENDPOINTS, Endpoint
 from pdproxy.front.protocol import IndexedHeaders
 
 _NAMES = st.sampled_from(
@@ -25,3 +27,13 @@ def test_indexed_headers_answer_as_starlette_headers(raw: list[tuple[bytes, byte
         assert (name in indexed) == (name in plain)
         assert indexed.getlist(name) == plain.getlist(name)
     assert indexed.raw == plain.raw
+
+
+def test_each_endpoint_is_its_path_and_its_name() -> None:
+    assert ENDPOINTS == {
+        "/v1/completions": Endpoint.COMPLETIONS,
+        "/v1/chat/completions": Endpoint.CHAT,
+    }
+    # The name is what metrics, routers and traces have always been given: the plain string.
+    assert [str(e) for e in Endpoint] == ["completions", "chat"]
+    assert Endpoint("chat") is Endpoint.CHAT and Endpoint.CHAT == "chat"

@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 from pdproxy.errors import LegFailed
 from pdproxy.fleet.backends import BackendRegistry, BreakerState
 from pdproxy.front.admission import Admission
+from pdproxy.front.intake import Endpoint
 from pdproxy.observe.metrics import ProxyMetrics
-from pdproxy.request.ids import LegRequestId, RequestId
 from pdproxy.request.lease import BackendHold, RequestLease
 from pdproxy.request.legs import KvRequestId
+from pdproxy.request.record import LegRequestId, RequestId, RequestRecord
 from pdproxy.request.release import Supply, SupplyReleaser
 from pdproxy.routing.base import RequestOutcome, Role, RouteDecision
 from pdproxy.settings import (
@@ -97,10 +98,9 @@ async def _scenario(
     releaser = RecordingReleaser(metrics)
     router = CountingRouter()
     confirmed: list[str] = []
+    record = RequestRecord(RequestId("r" * 32), None, Endpoint.COMPLETIONS, 0.0)
     lease = RequestLease(
-        request_id=RequestId("r" * 32),
-        client_request_id=None,
-        route="completions",
+        record.request_id,
         admission=admission,
         router=router,
         releaser=releaser,
@@ -140,9 +140,9 @@ async def _scenario(
             holds[i % len(holds)].release()  # releasing twice is harmless
 
     assert all(b.breaker.state is BreakerState.CLOSED for b in backends)
-    await lease.close(ok, 200 if ok else 502)
+    await lease.close(ok, 200 if ok else 502, record)
     for _ in range(extra_closes):
-        await lease.close(not ok, 500)
+        await lease.close(not ok, 500, record)
 
     assert all(b.in_flight == 0 for b in backends)
     assert admission.active == 0
