@@ -16,7 +16,7 @@ modules it executed with ``--modules``. Counts, not timings: they do not depend 
 the machine is.
 
     python -m loadtest.profile_proxy [--requests 1000] [--kind chat-stream ...] [--top 30]
-        [--modules]
+        [--modules] [--proxy-tree DIR]
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import cProfile
 import os
-import pstats
 import signal
 import sys
 import tempfile
@@ -61,24 +59,38 @@ def _body(kind: str) -> tuple[str, bytes]:
 
 # ------------------------------------------------------------------ the profiled proxy (child)
 
+# Run with ``python -c`` so that it works against any tree (``--proxy-tree``), also one that
+# predates this module. Each function is counted by its code object: pstats keys functions by
+# (file, line, name), which merges, for instance, every dataclass's generated ``__init__``.
+_CHILD = """
+import cProfile, json, signal, sys
+from pdproxy.cli import main
 
-def _child(out: str, argv: list[str]) -> None:
-    """Run ``pdproxy serve`` with a profiler that SIGUSR1 starts and SIGUSR2 stops and dumps."""
-    from pdproxy.cli import main
+out, argv = sys.argv[1], sys.argv[2:]
+profiler = cProfile.Profile()
 
-    profiler = cProfile.Profile()
+def start(_sig, _frame):
+    profiler.enable()
 
-    def start(_sig: int, _frame: object) -> None:
-        profiler.enable()
+def stop(_sig, _frame):
+    profiler.disable()
+    rows = []
+    for entry in profiler.getstats():
+        code = entry.code
+        if isinstance(code, str):
+            rows.append(["~", 0, code, entry.callcount])
+        else:
+            rows.append([code.co_filename, code.co_firstlineno, code.co_qualname, entry.callcount])
+    with open(out + ".tmp", "w") as f:
+        json.dump(rows, f)
+    import os
+    os.replace(out + ".tmp", out)
+    profiler.clear()
 
-    def stop(_sig: int, _frame: object) -> None:
-        profiler.disable()
-        profiler.dump_stats(out)
-        profiler.clear()
-
-    signal.signal(signal.SIGUSR1, start)
-    signal.signal(signal.SIGUSR2, stop)
-    main(argv)
+signal.signal(signal.SIGUSR1, start)
+signal.signal(signal.SIGUSR2, stop)
+main(argv)
+"""
 
 
 # ------------------------------------------------------------------ the load (parent)
@@ -104,33 +116,33 @@ async def _send(session: aiohttp.ClientSession, url: str, kind: str, n: int) -> 
                 raise RuntimeError(f"proxy answered {resp.status}")
 
 
-def _profile_of(path: Path, deadline_s: float = 30.0) -> pstats.Stats:
+Row = tuple[str, int, str, int]
+"""(file, first line, qualified name, calls); file ``~`` for built-ins."""
+
+
+def _profile_of(path: Path, deadline_s: float = 30.0) -> list[Row]:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if path.exists() and path.stat().st_size > 0:
-            time.sleep(0.2)  # let the dump finish
-            return pstats.Stats(str(path))
+        if path.exists():  # written whole, then renamed
+            data = orjson.loads(path.read_bytes())
+            return [(str(f), int(line), str(name), int(n)) for f, line, name, n in data]
         time.sleep(0.05)
     raise RuntimeError("the proxy wrote no profile")
 
 
-def _report(stats: pstats.Stats, kind: str, n: int, top: int, modules: bool) -> None:
-    table = stats.stats  # type: ignore[attr-defined]
-    calls = sum(entry[1] for entry in table.values())
-    files = {key[0] for key in table if not key[0].startswith("~")}
+def _report(rows: list[Row], kind: str, n: int, *, top: int, modules: bool, tree: Path) -> None:
+    calls = sum(row[3] for row in rows)
+    files = {row[0] for row in rows if row[0] != "~" and row[3]}
     ours = sorted(f for f in files if f"{os.sep}pdproxy{os.sep}" in f)
     print(
         f"{kind:20} {calls / n:8.0f} calls/request  {len(files):3d} modules  {len(ours):3d} pdproxy"
     )
     if modules:
-        root = str(Path(__file__).resolve().parent.parent) + os.sep
         for f in ours:
-            print("    " + f.removeprefix(root))
-    if top:
-        ranked = sorted(table.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
-        for (file, line, name), entry in ranked:
-            where = "built-in" if file.startswith("~") else f"{Path(file).name}:{line}"
-            print(f"    {entry[1] / n:7.1f}  {name}  ({where})")
+            print("    " + f.removeprefix(str(tree) + os.sep))
+    for file, line, name, count in sorted(rows, key=lambda row: row[3], reverse=True)[:top]:
+        where = "built-in" if file == "~" else f"{Path(file).name}:{line}"
+        print(f"    {count / n:7.1f}  {name}  ({where})")
 
 
 async def _run(args: argparse.Namespace) -> None:
@@ -144,9 +156,11 @@ async def _run(args: argparse.Namespace) -> None:
         out = Path(tmp) / "profile"
         serve = ["serve", "--port", str(x_port), "--producer", p_url, "--consumer", d_url,
                  "--dialect", "nixl", "--log-level", "warning"]  # fmt: skip
-        argv = [sys.executable, "-m", "loadtest.profile_proxy", "--child", str(out), "--", *serve]
+        tree = Path(args.proxy_tree)
+        argv = [sys.executable, "-c", _CHILD, str(out), *serve]
         stack.enter_context(child_process(backends))
-        proc = stack.enter_context(child_process(argv, env=env))
+        proxy_env = {**env, "PYTHONPATH": str(tree)}
+        proc = stack.enter_context(child_process(argv, env=proxy_env, cwd=str(tree)))
         async with aiohttp.ClientSession() as session:
             for url in (p_url + "/health", d_url + "/health", proxy + "/ready"):
                 await _ready(session, url)
@@ -158,19 +172,28 @@ async def _run(args: argparse.Namespace) -> None:
                 await asyncio.sleep(0.1)
                 await _send(session, proxy, kind, args.requests)
                 os.kill(proc.pid, signal.SIGUSR2)
-                _report(_profile_of(out), kind, args.requests, args.top, args.modules)
+                _report(
+                    _profile_of(out),
+                    kind,
+                    args.requests,
+                    top=args.top,
+                    modules=args.modules,
+                    tree=tree,
+                )
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:
-        _child(argv[1], argv[3:])
-        return
     parser = argparse.ArgumentParser(description="Python calls and modules per proxied request")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--kind", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--top", type=int, default=0, help="list the N most-called functions")
     parser.add_argument("--modules", action="store_true", help="list the pdproxy modules run")
+    parser.add_argument(
+        "--proxy-tree",
+        default=str(Path(__file__).resolve().parent.parent),
+        type=lambda s: str(Path(s).resolve()),
+        help="the checkout whose proxy is profiled (e.g. the code before a change)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.requests <= 100_000:
         parser.error("--requests must be in 1..100000")
