@@ -22,6 +22,17 @@ cannot fail a request or stall the subscriber), so bind on a private network onl
 
 Malformed messages are counted in :attr:`EventSubscriber.stats` and skipped; a callback that
 raises is logged and counted. Nothing a publisher sends stops the subscriber.
+
+No message is read past ``max_message_bytes`` (:data:`DEFAULT_MAX_MESSAGE_BYTES`, 4 MiB, by
+default; a frame, in fact, on the SUB socket and on every replay socket): libzmq
+(``ZMQ_MAXMSGSIZE``) drops the connection that carries a larger one before reading it, and
+reconnects. Whoever publishes (or reaches a bound subscriber) could otherwise make this process
+read and decode a message of any size (one of 256 MiB cost a proxy 502 MiB). The dropped
+message is then a loss like any other (gap, replay, reset); libzmq gives no reason for the drop,
+so it is counted with its kind: ``stats.disconnects`` (live) and ``stats.replay_timeouts``
+(replay). libzmq never reconnects a connection it dropped for a protocol error, so a connecting
+subscriber connects afresh after every drop (a bound one is reconnected to by its peer). What
+one subscriber can hold queued is ``rcvhwm`` messages.
 """
 
 from __future__ import annotations
@@ -49,6 +60,10 @@ OnBatch = Callable[[EventBatch], Awaitable[None]]
 OnReset = Callable[[], Awaitable[None]]
 OnGap = Callable[[int | None], None]
 
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+"""Largest message (frame) a subscriber reads. A batch carries one engine step's events: a
+step that stores 64k tokens in 16-token blocks encodes to about 0.4 MiB."""
+
 
 @dataclass(slots=True)
 class SubscriberStats:
@@ -70,6 +85,12 @@ class SubscriberStats:
     """Unrecoverable losses and publisher restarts (each awaited ``on_reset``)."""
     handler_errors: int = 0
     """Exceptions raised by ``on_batch`` / ``on_reset`` (logged, then ignored)."""
+    disconnects: int = 0
+    """Live connections to the publisher that dropped: its restart, the network, or a message
+    over ``max_message_bytes`` (libzmq closes the connection rather than read it)."""
+    replay_timeouts: int = 0
+    """Replays that did not end within ``replay_timeout_s``: a publisher that does not answer,
+    or an answer over ``max_message_bytes`` (its connection was dropped)."""
 
 
 class EventSubscriber:
@@ -90,11 +111,16 @@ class EventSubscriber:
         context: zmq.asyncio.Context | None = None,
         curve: CurveClient | None = None,
         on_gap: OnGap | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         """``curve``: the keys for a CURVE publisher (both sockets, live and replay).
         ``on_gap(seq)``: called (synchronously, must not raise) when batches before live
         sequence ``seq`` are found missing and are about to be replayed, and with ``None``
-        when the connection to the publisher drops; ``on_reset`` follows if they are lost."""
+        when the connection to the publisher drops; ``on_reset`` follows if they are lost.
+        ``max_message_bytes``: no larger message is read (see the module docstring)."""
+        if max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
+        self._max_message_bytes = max_message_bytes
         self._on_gap = on_gap
         self.endpoint = endpoint
         self._curve = curve
@@ -138,6 +164,7 @@ class EventSubscriber:
             make_client(sub, self._curve)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         # Sequence numbers alone cannot tell a restarted publisher whose new sequence already
         # passed ours from a plain gap; a dropped connection can, so watch for it.
@@ -269,8 +296,24 @@ class EventSubscriber:
         while True:
             frames = await monitor.recv_multipart()
             if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+                self.stats.disconnects += 1
                 self._publisher_lost = True
                 self._gap(None)
+                self._reconnect()
+
+    def _reconnect(self) -> None:
+        """After a drop, connect afresh: libzmq does not reconnect a connection it dropped for
+        a protocol error (a message over ``max_message_bytes``), and after any other drop this
+        replaces its own reconnection (an explicit disconnect reports no further drop)."""
+        sub = self._sub
+        if sub is None or self._closed or "*" in self.endpoint:
+            return  # a bound subscriber: the publisher reconnects to it
+        try:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disconnect(self.endpoint)
+            sub.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            logger.warning("KV events from %s: reconnect failed: %s", self._name, exc)
 
     def _gap(self, seq: int | None) -> None:
         if self._on_gap is None:
@@ -318,6 +361,7 @@ class EventSubscriber:
                 make_client(sock, self._curve)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
             sock.connect(self.replay_endpoint)
             await sock.send_multipart((b"", seq_frame(start)))
             deadline = time.monotonic() + self._replay_timeout_s
@@ -345,6 +389,7 @@ class EventSubscriber:
                 self.stats.replayed += 1
                 self._replayed_upto = max(self._replayed_upto, seq)
         except TimeoutError:
+            self.stats.replay_timeouts += 1
             logger.warning(
                 "KV events from %s: replay from %d timed out after %.2fs",
                 self._name,

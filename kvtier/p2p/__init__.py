@@ -23,12 +23,16 @@ ends accept loopback peers only: then every local process is trusted, and nothin
 (:mod:`kvtier.p2p.admission`): it receives one ``hello`` (version, node id, layout fingerprint,
 a fresh nonce — no page, no kv_request_id); the server reads at most one frame of at most
 :data:`~kvtier.p2p.frames.HANDSHAKE_MAX_FRAME_BYTES` (4 KiB) from it within
-``handshake_timeout_s``; per source address a token bucket limits handshake attempts and a cap
-limits concurrent ones, and a global cap bounds all unauthenticated connections (more are closed
-on accept). Refusals are counted in :meth:`P2PServer.stats`, never logged one by one, so a flood
-costs neither memory nor log volume. ``max_connections`` counts authenticated sessions only, so
-unauthenticated peers cannot take the slots of legitimate ones. What remains is availability: a
-flood from many source addresses can keep the pending-handshake slots full, and new sessions
+``handshake_timeout_s`` (2 s: the deadline for its first frame); per source address a token
+bucket limits handshake attempts and a cap limits concurrent ones; a global cap bounds all
+unauthenticated connections, and when it is reached a new connection evicts the oldest pending
+one of the address holding the most (so a few addresses cannot keep every slot: a legitimate
+peer from another address is admitted, and completes its handshake in a round trip). Refusals
+and evictions are counted in :meth:`P2PServer.stats`, never logged one by one, so a flood costs
+neither memory nor log volume. ``max_connections`` counts authenticated sessions only, so
+unauthenticated peers cannot take the slots of legitimate ones. What remains is availability
+against a flood from very many source addresses, each opening connections faster than a
+legitimate handshake's round trip: it can evict legitimate handshakes too, and new sessions
 then fail until it stops; consumers recompute meanwhile (slower, never wrong).
 
 *What the secret protects.* Proofs bind the secret to both nonces, both node ids, the

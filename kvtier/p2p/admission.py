@@ -5,13 +5,21 @@ Before a peer has proven the shared secret it can cost the server only a bounded
 - a per-peer (source address) token bucket of handshake attempts: ``handshake_burst`` at once,
   refilled at ``handshake_rate_per_s``; a handshake that authenticates gives its token back, so
   a legitimate consumer is never throttled by its own reconnects;
-- at most ``max_pending_handshakes_per_peer`` unauthenticated connections per address and
-  ``max_pending_handshakes`` in all; more are closed on accept;
+- at most ``max_pending_handshakes_per_peer`` unauthenticated connections per address: one
+  more from that address is closed on accept;
+- at most ``max_pending_handshakes`` in all: a new connection past it *evicts* the oldest
+  pending connection of the address that holds the most (the oldest of all on a tie), instead of
+  being refused. Refusing the newcomer let a few addresses (4 x 32 silent connections, each
+  re-opened as its deadline closed it) keep every slot and starve every legitimate peer; with
+  eviction an address can only displace the busiest one, which is never a peer with a single
+  handshake while any address holds more, and a legitimate handshake completes in a round trip,
+  long before it becomes the oldest of ``max_pending_handshakes``;
 - each of them reads at most a few KiB (:data:`~kvtier.p2p.frames.HANDSHAKE_MAX_FRAME_BYTES`)
-  within ``handshake_timeout_s``.
+  within ``handshake_timeout_s``: the deadline for the peer's first (and only) frame.
 
-Refusals are counted here, never logged one by one. The bucket table is bounded (least recently
-seen addresses are forgotten first), so many source addresses cannot grow it either.
+Refusals and evictions are counted here, never logged one by one. The bucket table is bounded
+(least recently seen addresses are forgotten first), so many source addresses cannot grow it
+either.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 _MAX_TRACKED_PEERS = 4096
 
@@ -40,7 +49,10 @@ class ServerStats:
     busy_total: int
     """Authenticated peers refused because ``max_connections`` sessions were open."""
     throttled_total: int
-    """Connections closed on accept: per-peer rate limit or a pending-handshake cap."""
+    """Connections closed on accept: per-peer rate limit or the per-peer pending cap."""
+    evicted_total: int
+    """Unauthenticated connections closed to make room for a new one (``max_pending_handshakes``
+    reached): the oldest of the address holding the most."""
     handshake_failures_total: int
     """Handshakes that timed out, sent a malformed or oversize frame, or hung up."""
     protocol_errors_total: int
@@ -62,7 +74,7 @@ class ServerCounters:
     protocol_errors_total: int = 0
     integrity_failures_total: int = 0
 
-    def snapshot(self, handshakes: int, sessions: int) -> ServerStats:
+    def snapshot(self, handshakes: int, sessions: int, evicted_total: int) -> ServerStats:
         return ServerStats(
             handshakes,
             sessions,
@@ -71,6 +83,7 @@ class ServerCounters:
             self.refused_total,
             self.busy_total,
             self.throttled_total,
+            evicted_total,
             self.handshake_failures_total,
             self.protocol_errors_total,
             self.integrity_failures_total,
@@ -83,8 +96,17 @@ class _Bucket:
     updated: float
 
 
-class HandshakeAdmission:
-    """Per-peer token buckets and pending-handshake caps (one event loop; not thread-safe)."""
+class Evictable(Protocol):
+    def evict(self) -> None:
+        """Close this pending connection now (it may be called before it ever ran)."""
+
+
+C = TypeVar("C", bound=Evictable)
+
+
+class HandshakeAdmission(Generic[C]):
+    """Per-peer token buckets, pending-handshake caps and eviction (one event loop; not
+    thread-safe). ``C``: the server's handle of one pending connection."""
 
     def __init__(
         self,
@@ -103,34 +125,55 @@ class HandshakeAdmission:
         self._clock = clock
         self._max_tracked = max_tracked_peers
         self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
-        self._pending: dict[str, int] = {}
+        self._pending: dict[str, dict[C, int]] = {}
+        """Per address, its pending connections (oldest first) and the order they came in."""
+        self._arrivals = 0
         self.pending_total = 0
+        self.evicted_total = 0
 
-    def begin(self, peer: str) -> str | None:
-        """Admit one handshake from ``peer`` (a source address) now, or say why not."""
-        if self.pending_total >= self._max_pending:
-            return "too many handshakes in progress"
-        if self._pending.get(peer, 0) >= self._max_pending_per_peer:
+    def begin(self, peer: str, conn: C) -> str | None:
+        """Admit ``conn``, a new connection from ``peer`` (a source address), or say why not.
+        When ``max_pending`` are pending already, one of them is evicted (``evict()`` is called
+        on it, and it is no longer pending)."""
+        mine = self._pending.get(peer)
+        if mine is not None and len(mine) >= self._max_pending_per_peer:
             return "too many handshakes in progress from this peer"
         bucket = self._bucket(peer)
         if bucket.tokens < 1.0:
             return "handshake rate limit"
         bucket.tokens -= 1.0
-        self._pending[peer] = self._pending.get(peer, 0) + 1
+        if self.pending_total >= self._max_pending:
+            self._evict_one()
+        self._pending.setdefault(peer, {})[conn] = self._arrivals
+        self._arrivals += 1
         self.pending_total += 1
         return None
 
-    def end(self, peer: str, *, authenticated: bool) -> None:
-        """The handshake ``begin`` admitted is over; an authenticated one returns its token."""
-        left = self._pending.get(peer, 0) - 1
-        if left > 0:
-            self._pending[peer] = left
-        else:
-            self._pending.pop(peer, None)
-        self.pending_total = max(self.pending_total - 1, 0)
+    def end(self, peer: str, conn: C, *, authenticated: bool) -> None:
+        """The handshake ``begin`` admitted is over (a no-op for an evicted one, counted when
+        it was evicted); an authenticated one returns its token."""
+        mine = self._pending.get(peer)
+        if mine is not None and mine.pop(conn, None) is not None:
+            self.pending_total -= 1
+            if not mine:
+                del self._pending[peer]
         if authenticated:
             bucket = self._bucket(peer)
             bucket.tokens = min(bucket.tokens + 1.0, self._burst)
+
+    def _evict_one(self) -> None:
+        """The oldest connection of the address with the most pending ones (oldest first on a
+        tie) goes. A scan of at most ``max_pending`` addresses, and only when the set is full."""
+        peer, mine = max(
+            self._pending.items(), key=lambda item: (len(item[1]), -next(iter(item[1].values())))
+        )
+        conn = next(iter(mine))
+        del mine[conn]
+        if not mine:
+            del self._pending[peer]
+        self.pending_total -= 1
+        self.evicted_total += 1
+        conn.evict()
 
     def _bucket(self, peer: str) -> _Bucket:
         now = self._clock()

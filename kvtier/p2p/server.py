@@ -12,9 +12,10 @@ Use inside the worker's asyncio loop::
 One listening port per worker. Who may connect and what they can make it do is the threat model
 in :mod:`kvtier.p2p`; in short: anyone may open a connection, and until it proves the shared
 secret it gets a bounded handshake and nothing else (:mod:`kvtier.p2p.admission`: per-peer rate
-limit, pending-handshake caps, frames of a few KiB, ``handshake_timeout_s``); refusals are
-counted (:meth:`P2PServer.stats`), not logged one by one. ``max_connections`` bounds the
-authenticated sessions.
+limit, per-peer pending cap, a full pending set evicts the oldest connection of the busiest
+address, frames of a few KiB, ``handshake_timeout_s`` for the peer's first frame); refusals and
+evictions are counted (:meth:`P2PServer.stats`), not logged one by one. ``max_connections``
+bounds the authenticated sessions.
 
 Each authenticated session is served by :class:`~kvtier.p2p.serving.SessionServer`: a reader
 that accepts ``fetch``/``done``/``release``/``offer`` and a sender that serves fetches in order,
@@ -76,7 +77,7 @@ class P2PServer:
         self._lease_task: asyncio.Task[None] | None = None
         self._channels: set[FrameChannel] = set()
         self._sessions = 0
-        self._admission = HandshakeAdmission(
+        self._admission: HandshakeAdmission[_PendingConnection] = HandshakeAdmission(
             rate_per_s=settings.handshake_rate_per_s,
             burst=settings.handshake_burst,
             max_pending=settings.max_pending_handshakes,
@@ -100,7 +101,10 @@ class P2PServer:
 
     def stats(self) -> ServerStats:
         """Connection counters (for metrics): sessions, handshakes, refusals by kind."""
-        return self._counters.snapshot(self._admission.pending_total, self._sessions)
+        admission = self._admission
+        return self._counters.snapshot(
+            admission.pending_total, self._sessions, admission.evicted_total
+        )
 
     async def start(self) -> None:
         if self._listener is not None:
@@ -159,35 +163,40 @@ class P2PServer:
                 continue
             self._counters.accepted_total += 1
             source = str(address[0]) if isinstance(address, tuple) and address else "?"
-            refusal = self._admission.begin(source)
+            pending = _PendingConnection(sock)
+            refusal = self._admission.begin(source, pending)  # may evict an older connection
             if refusal is not None:
                 # Counted, not logged: a flood must not turn into a log flood.
                 self._counters.throttled_total += 1
                 logger.debug("p2p closing connection from %s on accept: %s", source, refusal)
                 sock.close()
                 continue
-            task = asyncio.create_task(self._connection(sock, source))
+            task = asyncio.create_task(self._connection(sock, source, pending))
+            pending.task = task
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(pending.ended)
 
     async def _lease_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.lease_check_interval_s)
             self.registry.expire()
 
-    async def _connection(self, sock: socket.socket, source: str) -> None:
+    async def _connection(
+        self, sock: socket.socket, source: str, pending: _PendingConnection
+    ) -> None:
         try:
             tune_socket(sock, self.settings.socket_buffer_bytes)
             channel = FrameChannel(sock, self.settings.max_frame_bytes)
         except OSError as exc:
             sock.close()
-            self._admission.end(source, authenticated=False)
+            self._admission.end(source, pending, authenticated=False)
             logger.debug("p2p connection setup failed: %s", exc)
             return
         self._channels.add(channel)
         slot = _SessionSlot(self)
         try:
-            peer = await self._handshake(channel, source, slot)
+            peer = await self._handshake(channel, source, pending, slot)
             if peer is not None:
                 await self._serve_session(channel, peer)
         finally:
@@ -196,10 +205,11 @@ class P2PServer:
             channel.close()
 
     async def _handshake(
-        self, channel: FrameChannel, source: str, slot: _SessionSlot
+        self, channel: FrameChannel, source: str, pending: _PendingConnection, slot: _SessionSlot
     ) -> PeerInfo | None:
         """The peer, authenticated and holding ``slot``; None when refused or failed (counted;
-        logged at debug level only: nothing an unauthenticated peer does is logged)."""
+        logged at debug level only: nothing an unauthenticated peer does is logged). Cancelled
+        when the admission evicts ``pending``."""
         peer: PeerInfo | None = None
         try:
             async with asyncio.timeout(self.settings.handshake_timeout_s):
@@ -214,7 +224,7 @@ class P2PServer:
         except Exception:  # a bug must cost this connection only, never the server
             logger.exception("p2p handshake with %s failed", channel.peer)
         finally:
-            self._admission.end(source, authenticated=peer is not None)
+            self._admission.end(source, pending, authenticated=peer is not None)
         if peer is not None:
             self._counters.authenticated_total += 1
         return peer
@@ -249,6 +259,28 @@ class P2PServer:
 
     def _end_session(self) -> None:
         self._sessions -= 1
+
+
+class _PendingConnection:
+    """One accepted connection while it has not authenticated: what the admission evicts."""
+
+    __slots__ = ("sock", "task")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.task: asyncio.Task[None] | None = None
+
+    def evict(self) -> None:
+        # Cancelling closes the socket: the task's own cleanup if it ran, else ``ended``.
+        if self.task is not None:
+            self.task.cancel()
+        else:
+            self.sock.close()
+
+    def ended(self, _task: asyncio.Task[None]) -> None:
+        """The connection's task is done: an evicted one may have been cancelled before it ever
+        ran (no cleanup of its own), so its socket is closed here (closing twice is harmless)."""
+        self.sock.close()
 
 
 class _SessionSlot:

@@ -26,6 +26,8 @@ class P2PSettings(BaseSettings):
     """Listening port of the producer server (0: pick a free one)."""
     connect_timeout_s: float = Field(default=2.0, gt=0)
     handshake_timeout_s: float = Field(default=2.0, gt=0)
+    """Client: connect and handshake within this. Server: an accepted connection that has not
+    sent its first frame (``auth``, its only one before authenticating) within this is closed."""
     fetch_timeout_s: float = Field(default=10.0, gt=0)
     """Consumer's default deadline for one fetch when the caller gives none."""
     demand_wait_s: float = Field(default=5.0, gt=0)
@@ -47,9 +49,11 @@ class P2PSettings(BaseSettings):
     """Authenticated sessions a producer serves at once; more are refused at the end of their
     handshake (and counted)."""
     max_pending_handshakes: int = Field(default=128, ge=1)
-    """Unauthenticated connections a producer holds at once; more are closed on accept."""
+    """Unauthenticated connections a producer holds at once; one more evicts the oldest pending
+    connection of the source address that holds the most (:mod:`kvtier.p2p.admission`)."""
     max_pending_handshakes_per_peer: int = Field(default=32, ge=1)
-    """Unauthenticated connections from one source address at once."""
+    """Unauthenticated connections from one source address at once; one more is closed on
+    accept."""
     handshake_rate_per_s: float = Field(default=20.0, gt=0)
     """Handshake attempts per second and source address (refill of its token bucket)."""
     handshake_burst: int = Field(default=64, ge=1)

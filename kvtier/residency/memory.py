@@ -11,6 +11,11 @@ cost of a match follows the nodes that hold its blocks, not the number of nodes 
 ``among`` a decision's candidates starts the running AND from their bits only, so it stops at
 the first block no candidate holds and extracts a handful of bits. Per-node sets keep what each
 node holds so ``forget`` and ``AllBlocksCleared`` are exact.
+
+Each node holds at most ``max_blocks_per_node`` blocks from its events (its engine-hash map's
+budget, :mod:`kvtier.residency.translate`): past it its oldest blocks are forgotten and counted
+in :meth:`MemoryIndex.translate_stats`, so a node that floods events costs a bounded amount of
+memory. Predictions are bounded by their TTL instead.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kvtier.errors import ResidencyError
 from kvtier.events.types import EventBatch, Medium
 from kvtier.keys import BlockHash, BlockHasher
 from kvtier.residency.translate import (
+    DEFAULT_MAX_BLOCKS_PER_NODE,
     ClearOp,
     EngineHashMap,
     RemoveOp,
@@ -101,7 +107,8 @@ class MemoryIndex:
     ``clock`` returns seconds (monotonic); predictions expire ``ttl_s`` after ``predict``.
     ``group_idx`` selects the KV-cache group whose events are indexed. Without ``max_nodes``
     any number of nodes is known at once; with it, at most that many (a forgotten node's
-    position is reused either way).
+    position is reused either way). ``max_blocks_per_node``: the router blocks one node's
+    events may keep indexed (its oldest go first).
     """
 
     def __init__(
@@ -110,10 +117,14 @@ class MemoryIndex:
         *,
         group_idx: int = 0,
         max_nodes: int | None = None,
+        max_blocks_per_node: int = DEFAULT_MAX_BLOCKS_PER_NODE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_nodes is not None and max_nodes <= 0:
             raise ValueError(f"max_nodes must be positive, got {max_nodes}")
+        if max_blocks_per_node <= 0:
+            raise ValueError(f"max_blocks_per_node must be positive, got {max_blocks_per_node}")
+        self._max_blocks = max_blocks_per_node
         self._hasher = hasher
         self._group = group_idx
         self._clock = clock
@@ -154,7 +165,9 @@ class MemoryIndex:
             raise TypeError(f"expected an EventBatch, got {type(batch).__name__}")
         emap = self._maps.get(node)
         if emap is None:
-            emap = self._maps[node] = EngineHashMap(self._hasher, self._group)
+            emap = self._maps[node] = EngineHashMap(
+                self._hasher, self._group, max_blocks=self._max_blocks
+            )
         self.apply_ops(node, emap.translate(batch))
 
     async def apply_many(self, items: Sequence[tuple[NodeId, EventBatch]]) -> None:

@@ -6,6 +6,8 @@ apply call). Engine hashes its copy lacks (it took the stream over, or joined la
 from Redis before a batch is translated, so removals of blocks another replica stored resolve.
 After a failed write the node is resynced: the shared map is merged in (except what this
 replica dropped itself, or everything after a failed forget or clear) and the node rewritten.
+Entries a map evicts to stay within its block budget are deleted from the shared map by the
+same apply call, like removed ones.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from kvtier.residency.redis_layout import (
     parse_emap_value,
     parse_engine_field,
 )
-from kvtier.residency.translate import ClearOp, EngineHashMap, ResidencyOp, TranslateStats
+from kvtier.residency.translate import (
+    DEFAULT_MAX_BLOCKS_PER_NODE,
+    ClearOp,
+    EngineHashMap,
+    ResidencyOp,
+    TranslateStats,
+)
 from kvtier.residency.types import NodeId
 
 MapWrite = list[Any]
@@ -39,10 +47,14 @@ class SharedEngineMaps:
         redis: RedisClient,
         keys: ModelKeys,
         read: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]],
+        *,
+        max_blocks_per_node: int = DEFAULT_MAX_BLOCKS_PER_NODE,
     ) -> None:
-        """``read`` runs one Redis read under the index's apply deadline."""
+        """``read`` runs one Redis read under the index's apply deadline;
+        ``max_blocks_per_node``: each map's budget (:mod:`kvtier.residency.translate`)."""
         self._hasher = hasher
         self._group = group_idx
+        self._max_blocks = max_blocks_per_node
         self._redis = redis
         self._keys = keys
         self._read = read
@@ -98,7 +110,9 @@ class SharedEngineMaps:
             raise TypeError(f"expected an EventBatch, got {type(batch).__name__}")
         emap = self._maps.get(node)
         if emap is None:
-            emap = self._maps[node] = EngineHashMap(self._hasher, self._group)
+            emap = self._maps[node] = EngineHashMap(
+                self._hasher, self._group, max_blocks=self._max_blocks
+            )
         try:
             if node in self._resync:
                 await self._merge_shared_map(node, emap)
@@ -120,6 +134,7 @@ class SharedEngineMaps:
                 touched.update(dict.fromkeys(event.block_hashes))
             else:
                 tail = [[b"X"]]
+        touched.update(dict.fromkeys(emap.evicted))  # over the node's budget: deleted
         for h in touched:
             entry = emap.entry(h)
             if entry is None:

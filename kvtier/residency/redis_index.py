@@ -115,6 +115,7 @@ class RedisIndex:
             self._redis,
             self.keys,
             lambda fn: self._call("apply", settings.apply_deadline_s, fn),
+            max_blocks_per_node=settings.max_blocks_per_node,
         )
         self._retired = RetiredSlots(self._redis, self.keys, settings, self._call)
         self._sweep_task: asyncio.Task[int] | None = None

@@ -7,6 +7,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvtier.residency.redis_layout import MAX_SLOTS
+from kvtier.residency.translate import DEFAULT_MAX_BLOCKS_PER_NODE
 
 
 class RedisIndexSettings(BaseSettings):
@@ -40,6 +41,12 @@ class RedisIndexSettings(BaseSettings):
         le=8192,
         description="most blocks one write script call names (apply, predict: bounds the time "
         "one call holds Redis; longer prompts and batches take several calls)",
+    )
+    max_blocks_per_node: int = Field(
+        default=DEFAULT_MAX_BLOCKS_PER_NODE,
+        ge=1,
+        description="router blocks indexed per node; past it the node's oldest blocks are "
+        "forgotten (kvtier.residency.translate) and counted (translate_stats(node).evicted)",
     )
     max_blocks_per_read: int = Field(
         default=512,

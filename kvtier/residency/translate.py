@@ -10,6 +10,13 @@ An engine block may span several router blocks (engine block size a multiple of 
 Events the router's hashes cannot represent are skipped and counted: LoRA blocks, blocks with
 extra hash keys (multimodal inputs, cache salts), other KV-cache groups, unknown media, and
 block sizes that are not a multiple of the router's.
+
+A node's events decide how much the index holds for it, so each map has a block budget
+(``max_blocks``, router blocks; :data:`DEFAULT_MAX_BLOCKS_PER_NODE` unless the index is given
+another): a store past it evicts the map's oldest engine blocks (by the time they were last
+stored), and :meth:`EngineHashMap.translate` returns their removal from every medium that held
+them after the batch's own operations, so both index implementations forget exactly what the
+map forgot. Evictions are counted (:attr:`TranslateStats.evicted`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ from kvtier.events.types import (
 from kvtier.keys import BlockHash, BlockHasher
 
 MEDIUM_BIT = {Medium.GPU: 1, Medium.CPU: 2}
+
+DEFAULT_MAX_BLOCKS_PER_NODE = 1 << 18
+"""Router blocks an index holds per node by default: 262,144 (4 Mi tokens at 16 per block),
+beyond a GPU's KV cache and a large host tier; a node past it loses its oldest blocks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +76,8 @@ class TranslateStats:
     """Blocks the router's hashes cannot represent (see the module docstring)."""
     clears: int = 0
     """AllBlocksCleared events."""
+    evicted: int = 0
+    """Blocks forgotten, oldest first, to keep the node within its block budget."""
 
 
 _Entry = tuple[int, tuple[BlockHash, ...]]
@@ -75,19 +88,40 @@ one of them (hundreds of ms at 1,024 nodes, a pause that lands in some decision'
 
 
 class EngineHashMap:
-    """One node's engine hash → router hashes map, and the media holding each engine block."""
+    """One node's engine hash → router hashes map, and the media holding each engine block,
+    oldest first."""
 
-    def __init__(self, hasher: BlockHasher, group_idx: int = 0) -> None:
+    def __init__(
+        self,
+        hasher: BlockHasher,
+        group_idx: int = 0,
+        *,
+        max_blocks: int = DEFAULT_MAX_BLOCKS_PER_NODE,
+    ) -> None:
+        if max_blocks <= 0:
+            raise ValueError(f"max_blocks_per_node must be positive, got {max_blocks}")
         self._hasher = hasher
         self._group = group_idx
+        self._max_blocks = max_blocks
         self._entries: dict[EngineBlockHash, _Entry] = {}
+        self._blocks = 0
+        """Router blocks of every entry (what the budget counts)."""
+        self.evicted: list[EngineBlockHash] = []
+        """Engine hashes the last :meth:`translate` evicted (the Redis index deletes them from
+        its shared map)."""
         self.stats = TranslateStats()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def blocks(self) -> int:
+        """Router blocks the map holds (at most ``max_blocks`` after each translate)."""
+        return self._blocks
+
     def clear(self) -> None:
         self._entries.clear()
+        self._blocks = 0
 
     def unknown(self, batch: EventBatch) -> set[EngineBlockHash]:
         """Engine hashes ``batch`` needs (parents of stores, removed blocks) that this map does
@@ -107,9 +141,13 @@ class EngineHashMap:
         return out
 
     def load(self, engine_hash: EngineBlockHash, mask: int, hashes: tuple[BlockHash, ...]) -> None:
-        """An entry learnt from the shared map."""
+        """An entry learnt from the shared map (the next translate enforces the budget)."""
         if mask and hashes:
+            old = self._entries.pop(engine_hash, None)
+            if old is not None:
+                self._blocks -= len(old[1])
             self._entries[engine_hash] = (mask, hashes)
+            self._blocks += len(hashes)
 
     def entry(self, engine_hash: EngineBlockHash) -> tuple[int, tuple[BlockHash, ...]] | None:
         """(media mask, router hashes) of one engine block, or None."""
@@ -119,21 +157,44 @@ class EngineHashMap:
         return [(h, mask, hashes) for h, (mask, hashes) in self._entries.items()]
 
     def translate(self, batch: EventBatch) -> list[ResidencyOp]:
-        """Update the map with ``batch`` and return what changed, in router hashes."""
+        """Update the map with ``batch`` and return what changed, in router hashes (evictions
+        last: :attr:`evicted` names their engine hashes)."""
         ops: list[ResidencyOp] = []
         op: ResidencyOp | None
+        self.evicted = []
         for event in batch.events:
             if isinstance(event, BlockStored):
                 op = self._stored(event)
             elif isinstance(event, BlockRemoved):
                 op = self._removed(event)
             else:
-                self._entries.clear()
+                self.clear()
                 self.stats.clears += 1
                 op = ClearOp()
             if op is not None:
                 ops.append(op)
+        if self._blocks > self._max_blocks:
+            ops.extend(self._evict())
         return ops
+
+    def _evict(self) -> list[RemoveOp]:
+        """Drop the oldest entries until the map is within its budget; their removal ops."""
+        gone: dict[Medium, list[BlockHash]] = {m: [] for m in MEDIUM_BIT}
+        excess = self._blocks - self._max_blocks
+        # One pass from the oldest (``next(iter())`` per entry would rescan the slots earlier
+        # pops left at the front of the dict: quadratic in the entries evicted).
+        for engine_hash, (mask, hashes) in self._entries.items():
+            if excess <= 0:
+                break
+            excess -= len(hashes)
+            self.evicted.append(engine_hash)
+            for medium, bit in MEDIUM_BIT.items():
+                if mask & bit:
+                    gone[medium].extend(hashes)
+        for engine_hash in self.evicted:
+            self._blocks -= len(self._entries.pop(engine_hash)[1])
+        self.stats.evicted += len(self.evicted)
+        return [RemoveOp(m, tuple(h)) for m, h in gone.items() if h]
 
     def snapshot(self) -> list[StoreOp]:
         """Everything the map knows to be resident, as store operations (for a resync)."""
@@ -177,8 +238,14 @@ class EngineHashMap:
         entries = self._entries
         for i, engine_hash in enumerate(event.block_hashes):
             mine = tuple(ours[i * per : (i + 1) * per])
-            entry = entries.get(engine_hash)
-            entries[engine_hash] = (bit if entry is None else entry[0] | bit, mine)
+            # Popped and put back: a block stored again is the newest (the last to be evicted).
+            entry = entries.pop(engine_hash, None)
+            if entry is None:
+                entries[engine_hash] = (bit, mine)
+                self._blocks += len(mine)
+            else:
+                entries[engine_hash] = (entry[0] | bit, mine)
+                self._blocks += len(mine) - len(entry[1])
         self.stats.stored += n
         return StoreOp(medium, tuple(ours))
 
@@ -197,8 +264,9 @@ class EngineHashMap:
             mask, hashes = entry[0] & ~bit, entry[1]
             gone.extend(hashes)
             if mask:
-                self._entries[engine_hash] = (mask, hashes)
+                self._entries[engine_hash] = (mask, hashes)  # keeps its age
             else:
                 del self._entries[engine_hash]
+                self._blocks -= len(hashes)
             self.stats.removed += 1
         return RemoveOp(medium, tuple(gone)) if gone else None

@@ -26,6 +26,11 @@ Legs (``kv_transfer_params``, parsed by :func:`kvtier.worker.kv_params.parse_leg
   ``kv_request_id`` by the same worker fetch as a consumer leg. It may come with a producer leg
   (the pulled blocks are then supplied too); with a consumer leg the params are malformed
   (``kvtier.worker.kv_params`` parses the leg) and the request runs plainly.
+- a leg naming a peer (a consumer leg's producer, a ``remote_kv_source`` holder) outside
+  ``kv_source_allowed_peers`` is refused when the request arrives, by the reference worker's
+  check (:meth:`kvtier.worker.peers.PeerAllowlist.refused`): the request runs without it (a
+  producer leg keeps its supply and only loses the pull), so no load, offer or release ever
+  connects there.
 - any other request, under ``offload_prompts``: its full prompt blocks go to the worker's host
   pages in the step that completes the prompt (a save without a supply), so this node can
   answer offers for prompts it computed alone.
@@ -33,6 +38,7 @@ Legs (``kv_transfer_params``, parsed by :func:`kvtier.worker.kv_params.parse_leg
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -88,7 +94,7 @@ class KvtierScheduler:
         offers: OfferDesk | None = None,
     ) -> None:
         self.settings = settings
-        self._kv_source_peers = settings.kv_source_peers()
+        self._peers = settings.allowed_peers()
         self.offers = offers
         """Offers of ``remote_kv_source`` legs (None: such legs run plainly)."""
         self.engine_id = engine_id
@@ -116,8 +122,8 @@ class KvtierScheduler:
     def on_new_request(self, request: Request) -> None:
         """``Scheduler.add_request``: parse the leg once; malformed params run the request
         plainly (logged)."""
-        leg = self._parse(request)
-        source = self._allowed(request.request_id, pull_source(leg))
+        leg = self._allowed(request.request_id, self._parse(request))
+        source = pull_source(leg)
         if source is not None:
             if self.offers is not None:
                 self._sources[request.request_id] = source
@@ -158,18 +164,18 @@ class KvtierScheduler:
             logger.warning("request %s: kv_transfer_params ignored: %s", request.request_id, exc)
             return None
 
-    def _allowed(self, req_id: str, source: KvSource | None) -> KvSource | None:
-        """``source`` if ``kv_source_allowed_peers`` lets this engine connect to it."""
-        if source is None or self._kv_source_peers.allows(source.remote_host, source.remote_port):
-            return source
+    def _allowed(self, req_id: str, leg: Leg | None) -> Leg | None:
+        """``leg`` as this engine may run it: without the peer it names when that peer is not in
+        ``kv_source_allowed_peers`` (a producer leg keeps its supply, any other leg is gone)."""
+        refused = self._peers.refused(leg)
+        if refused is None:
+            return leg
         logger.warning(
-            "request %s: remote_kv_source %s:%d is not in kv_source_allowed_peers; the prompt "
-            "is computed here",
+            "request %s: %s is not in kv_source_allowed_peers; the prompt is computed here",
             req_id,
-            source.remote_host[:64],
-            source.remote_port,
+            refused,
         )
-        return None
+        return dataclasses.replace(leg, source=None) if isinstance(leg, ProducerLeg) else None
 
     def _hashes(self, request: Request) -> list[BlockHash]:
         assert request.prompt_token_ids is not None

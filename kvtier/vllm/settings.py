@@ -48,10 +48,12 @@ class KvtierConnectorSettings(BaseModel):
     per new block on the engine thread (``vllm:kvtier_offload_seconds_total``). Producer-only
     setting: it needs the P2P server."""
     kv_source_allowed_peers: list[str] = Field(default_factory=list)
-    """Holders a ``remote_kv_source`` leg may make this engine connect to (the leg comes from
-    whoever can send requests to vLLM): entries as ``kvtier.worker.peers`` reads them (``host``,
+    """Peers a leg may make this engine connect to (legs come from whoever can send requests to
+    vLLM): a consumer leg's producer (``remote_prefiller``, or the NIXL-shaped answer's
+    ``remote_host``) and a ``remote_kv_source`` holder; the reference worker's
+    ``p2p_allowed_peers``. Entries as ``kvtier.worker.peers`` reads them (``host``,
     ``host:port``, ``10.0.0.0/8``, ``*`` for any); empty (the default): loopback only. A leg
-    naming any other holder computes its prompt itself (logged)."""
+    naming any other peer runs without it, computing its prompt (logged)."""
     offer_timeout_s: float = Field(default=2.0, gt=0)
     """A ``remote_kv_source`` leg waits this long for the holder's answer to its offer (the
     request stays queued meanwhile); past it, the request computes its prompt itself."""
@@ -69,7 +71,7 @@ class KvtierConnectorSettings(BaseModel):
         PeerAllowlist.parse(self.kv_source_allowed_peers)  # ValueError names a bad entry
         return self
 
-    def kv_source_peers(self) -> PeerAllowlist:
+    def allowed_peers(self) -> PeerAllowlist:
         return PeerAllowlist.parse(self.kv_source_allowed_peers)
 
     @property

@@ -1,9 +1,12 @@
-"""Which producers a consumer leg may make this worker connect to (``p2p_allowed_peers``).
+"""Which peers a request's leg may make this node connect to (``p2p_allowed_peers``).
 
 A consumer leg's ``remote_host``/``remote_port`` come from the caller (the proxy copies them from
-the producer's answer; in the NIXL dialect verbatim). Without a check, anyone who can send a
-consumer leg points this worker at an address of their choosing: an attacker's P2P server, or an
-internal service the worker can reach and the attacker cannot. The allowlist bounds that.
+the producer's answer; in the NIXL dialect verbatim), and so does a ``remote_kv_source`` holder.
+Without a check, anyone who can send a leg points this node at an address of their choosing: an
+attacker's P2P server, or an internal service the node can reach and the attacker cannot (the
+fetch, its ``done`` or the release of an aborted leg connect there). The allowlist bounds that:
+:meth:`PeerAllowlist.refused` is the one check of every leg, in the reference worker (which
+answers 400) and in vLLM's connector (whose scheduler runs the request without the leg).
 
 Entries:
 
@@ -25,6 +28,8 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from kvtier.worker.kv_params import ConsumerLeg, Leg, pull_source
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -50,6 +55,30 @@ class PeerRule:
 
 
 @dataclass(frozen=True, slots=True)
+class NamedPeer:
+    """A peer a leg makes this node connect to."""
+
+    role: str
+    """``producer`` (a consumer leg's) or ``remote_kv_source`` (the holder a leg pulls from)."""
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.host}:{self.port}"
+
+
+def named_peer(leg: Leg | None) -> NamedPeer | None:
+    """The peer ``leg`` makes this node connect to, if any (a leg names at most one: a consumer
+    leg with a ``remote_kv_source`` is malformed)."""
+    if isinstance(leg, ConsumerLeg):
+        return NamedPeer("producer", leg.remote_host, leg.remote_port)
+    source = pull_source(leg)
+    if source is not None:
+        return NamedPeer("remote_kv_source", source.remote_host, source.remote_port)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class PeerAllowlist:
     rules: tuple[PeerRule, ...]
     any_peer: bool = False
@@ -63,6 +92,12 @@ class PeerAllowlist:
         if ANY_PEER in entries:
             return cls((), any_peer=True)
         return cls(tuple(_rule(entry) for entry in entries))
+
+    def refused(self, leg: Leg | None) -> NamedPeer | None:
+        """The peer ``leg`` names that this list does not allow; None when the leg names no
+        peer or an allowed one. Checked when a request arrives, before anything connects."""
+        peer = named_peer(leg)
+        return peer if peer is not None and not self.allows(peer.host, peer.port) else None
 
     def allows(self, host: str, port: int) -> bool:
         if self.any_peer:

@@ -184,19 +184,10 @@ class CompletionHandler:
             return None
         try:
             leg = parse_leg(params, nixl_request_id=f"{response_id}-0")
-            if isinstance(leg, ConsumerLeg) and not self.peers.allows(
-                leg.remote_host, leg.remote_port
-            ):
+            refused = self.peers.refused(leg)
+            if refused is not None:
                 raise KVTransferRefused(
-                    f"kv_transfer_params: producer {leg.remote_host}:{leg.remote_port} is not "
-                    "in this worker's p2p_allowed_peers",
-                    param="kv_transfer_params",
-                )
-            source = pull_source(leg)
-            if source is not None and not self.peers.allows(source.remote_host, source.remote_port):
-                raise KVTransferRefused(
-                    f"kv_transfer_params: remote_kv_source {source.remote_host}:"
-                    f"{source.remote_port} is not in this worker's p2p_allowed_peers",
+                    f"kv_transfer_params: {refused} is not in this worker's p2p_allowed_peers",
                     param="kv_transfer_params",
                 )
         except KVTransferRefused as exc:

@@ -32,7 +32,22 @@ class Clock:
         return self.now
 
 
-def admission(clock: Clock, **overrides: float) -> HandshakeAdmission:
+class Conn:
+    """A pending connection as the admission sees it: evicting it only marks it."""
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+
+
+def admit(gate: HandshakeAdmission[Conn], peer: str, conn: Conn | None = None) -> str | None:
+    return gate.begin(peer, conn if conn is not None else Conn(peer))
+
+
+def admission(clock: Clock, **overrides: float) -> HandshakeAdmission[Conn]:
     params: dict[str, float] = {
         "rate_per_s": 2.0,
         "burst": 3,
@@ -53,47 +68,57 @@ def test_token_bucket_per_peer() -> None:
     clock = Clock()
     gate = admission(clock)
     for _ in range(3):
-        assert gate.begin("10.0.0.1") is None
-        gate.end("10.0.0.1", authenticated=False)
-    assert gate.begin("10.0.0.1") == "handshake rate limit"
-    assert gate.begin("10.0.0.2") is None  # another address has its own bucket
+        conn = Conn()
+        assert gate.begin("10.0.0.1", conn) is None
+        gate.end("10.0.0.1", conn, authenticated=False)
+    assert admit(gate, "10.0.0.1") == "handshake rate limit"
+    assert admit(gate, "10.0.0.2") is None  # another address has its own bucket
     clock.now += 0.5  # one token at 2/s
-    assert gate.begin("10.0.0.1") is None
-    assert gate.begin("10.0.0.1") == "handshake rate limit"
+    assert admit(gate, "10.0.0.1") is None
+    assert admit(gate, "10.0.0.1") == "handshake rate limit"
 
 
 def test_authenticated_handshakes_give_their_token_back() -> None:
     gate = admission(Clock())
     for _ in range(50):  # a legitimate consumer reconnecting often is never throttled
-        assert gate.begin("10.0.0.1") is None
-        gate.end("10.0.0.1", authenticated=True)
+        conn = Conn()
+        assert gate.begin("10.0.0.1", conn) is None
+        gate.end("10.0.0.1", conn, authenticated=True)
     assert gate.pending_total == 0
 
 
 def test_pending_caps_per_peer_and_in_all() -> None:
+    """Per address a cap refuses; in all, a full set evicts (issue 30: refusing the newcomer
+    let 4 addresses x 32 silent connections starve every legitimate peer)."""
     gate = admission(Clock(), burst=100, max_pending=5, max_pending_per_peer=2)
-    assert gate.begin("a") is None and gate.begin("a") is None
-    assert gate.begin("a") == "too many handshakes in progress from this peer"
+    a = [Conn("a0"), Conn("a1")]
+    assert gate.begin("a", a[0]) is None and gate.begin("a", a[1]) is None
+    assert admit(gate, "a") == "too many handshakes in progress from this peer"
     for peer in ("b", "c", "d"):
-        assert gate.begin(peer) is None
-    assert gate.begin("e") == "too many handshakes in progress"
-    gate.end("a", authenticated=False)
-    assert gate.begin("e") is None
+        assert admit(gate, peer) is None
+    e = Conn("e")
+    assert gate.begin("e", e) is None  # full: "a" holds the most, its oldest goes
+    assert a[0].evicted and not a[1].evicted and not e.evicted
+    assert gate.pending_total == 5 and gate.evicted_total == 1
+    gate.end("a", a[0], authenticated=False)  # the evicted one's end changes nothing
     assert gate.pending_total == 5
+    gate.end("a", a[1], authenticated=False)
+    assert gate.pending_total == 4 and admit(gate, "f") is None and gate.evicted_total == 1
 
 
 def test_forgotten_peers_bound_the_table() -> None:
     clock = Clock()
-    gate = HandshakeAdmission(
+    gate: HandshakeAdmission[Conn] = HandshakeAdmission(
         rate_per_s=0.001, burst=1, max_pending=10, max_pending_per_peer=10, clock=clock,
         max_tracked_peers=2,
     )  # fmt: skip
     for peer in ("a", "b", "c"):
-        assert gate.begin(peer) is None
-        gate.end(peer, authenticated=False)
+        conn = Conn()
+        assert gate.begin(peer, conn) is None
+        gate.end(peer, conn, authenticated=False)
     # "a" was forgotten (least recently seen) and starts over; "c" is still remembered.
-    assert gate.begin("c") == "handshake rate limit"
-    assert gate.begin("a") is None
+    assert admit(gate, "c") == "handshake rate limit"
+    assert admit(gate, "a") is None
 
 
 @given(st.lists(st.tuples(st.sampled_from("abc"), st.floats(0, 2)), max_size=60))
@@ -106,11 +131,67 @@ def test_admitted_handshakes_never_exceed_burst_plus_rate(ops: list[tuple[str, f
     admitted = dict.fromkeys("abc", 0)
     for peer, wait in ops:
         clock.now += wait
-        if gate.begin(peer) is None:
+        conn = Conn()
+        if gate.begin(peer, conn) is None:
             admitted[peer] += 1
-            gate.end(peer, authenticated=False)
+            gate.end(peer, conn, authenticated=False)
         assert admitted[peer] <= 3 + 2.0 * (clock.now - start) + 1e-9
     assert gate.pending_total == 0
+
+
+def test_a_full_set_evicts_the_oldest_of_the_busiest_source() -> None:
+    gate = admission(Clock(), burst=100, max_pending=5, max_pending_per_peer=3)
+    a = [Conn(f"a{i}") for i in range(3)]
+    b = [Conn(f"b{i}") for i in range(2)]
+    for conn in (b[0], a[0], a[1], b[1], a[2]):
+        assert gate.begin(conn.name[0], conn) is None
+    legit = Conn("legit")
+    assert gate.begin("c", legit) is None
+    # "a" holds 3 of 5: its oldest goes, not b's older one, and not the newcomer.
+    assert [c.name for c in (*a, *b) if c.evicted] == ["a0"]
+    # Equal counts ("a" and "b" hold 2 each): the oldest connection among them goes.
+    assert admit(gate, "d") is None
+    assert [c.name for c in (*a, *b) if c.evicted] == ["a0", "b0"]
+    # The busiest source displaces only itself.
+    assert admit(gate, "a") is None
+    assert [c.name for c in (*a, *b) if c.evicted] == ["a0", "a1", "b0"]
+    assert not legit.evicted and gate.evicted_total == 3 and gate.pending_total == 5
+
+
+def test_many_single_connection_sources_evict_the_oldest() -> None:
+    gate = admission(Clock(), burst=100, max_pending=4, max_pending_per_peer=4)
+    conns = [Conn(f"s{i}") for i in range(10)]
+    for i, conn in enumerate(conns):
+        assert gate.begin(f"10.0.0.{i}", conn) is None
+    assert [c.evicted for c in conns] == [True] * 6 + [False] * 4
+    assert gate.pending_total == 4 and gate.evicted_total == 6
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.booleans()), max_size=80))
+def test_eviction_never_takes_a_lone_handshake_while_another_source_holds_more(
+    ops: list[tuple[str, bool]],
+) -> None:
+    """Invariants: at most ``max_pending`` in all and ``max_pending_per_peer`` per source; a
+    source with one pending handshake loses it only when no source holds two."""
+    gate = admission(Clock(), burst=1000, max_pending=6, max_pending_per_peer=4)
+    pending: dict[str, list[Conn]] = {peer: [] for peer in "abcd"}
+    for peer, finish in ops:
+        if finish and pending[peer]:
+            conn = pending[peer].pop(0)
+            gate.end(peer, conn, authenticated=False)
+            continue
+        before = {p: len(c) for p, c in pending.items()}
+        conn = Conn(peer)
+        if gate.begin(peer, conn) is None:
+            pending[peer].append(conn)
+        for p, conns in pending.items():
+            gone = [c for c in conns if c.evicted]
+            if gone:
+                assert before[p] >= max(before.values()), (p, before)
+                assert before[p] > 1 or max(before.values()) <= 1, (p, before)
+            pending[p] = [c for c in conns if not c.evicted]
+        assert gate.pending_total == sum(map(len, pending.values())) <= 6
+        assert all(len(c) <= 4 for c in pending.values())
 
 
 # ---- against a live server ---------------------------------------------------------------------

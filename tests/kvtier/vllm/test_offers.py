@@ -216,12 +216,12 @@ def test_tokens_to_load_is_the_held_run_past_the_local_hit(
 
 
 def test_kv_source_holders_are_loopback_only_unless_allowed() -> None:
-    default = KvtierConnectorSettings.from_extra_config({}).kv_source_peers()
+    default = KvtierConnectorSettings.from_extra_config({}).allowed_peers()
     assert default.allows("127.0.0.1", 7701) and default.allows("localhost", 1)
     assert not default.allows("10.0.0.7", 7701) and not default.allows("metadata.internal", 80)
     fabric = KvtierConnectorSettings.from_extra_config(
         {"kv_source_allowed_peers": ["10.0.0.0/8:7701"]}
-    ).kv_source_peers()
+    ).allowed_peers()
     assert fabric.allows("10.0.0.7", 7701) and not fabric.allows("10.0.0.7", 22)
     with pytest.raises(KvtierConnectorConfigError):
         KvtierConnectorSettings.from_extra_config({"kv_source_allowed_peers": ["[fd00::"]})

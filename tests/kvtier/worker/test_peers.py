@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvtier.worker.kv_params import parse_leg
 from kvtier.worker.peers import PeerAllowlist
 from kvtier.worker.settings import WorkerSettings
 
@@ -84,6 +85,34 @@ def test_entries_hosts_ports_networks() -> None:
 def test_bad_entries_fail_at_start(entry: str) -> None:
     with pytest.raises(ValueError, match="p2p_allowed_peers"):
         WorkerSettings(p2p_allowed_peers=[entry])
+
+
+@pytest.mark.parametrize(
+    ("params", "peer"),
+    [
+        ({"remote_prefiller": {"kv_request_id": "k", "remote_host": "10.9.8.7", "remote_port": 1}},
+         "producer 10.9.8.7:1"),
+        ({"do_remote_prefill": True, "remote_request_id": "k", "remote_host": "10.9.8.7",
+          "remote_port": 1}, "producer 10.9.8.7:1"),
+        ({"remote_kv_source": {"remote_host": "10.9.8.7", "remote_port": 1}},
+         "remote_kv_source 10.9.8.7:1"),
+        ({"remote_decoder": {"kv_request_id": "k"},
+          "remote_kv_source": {"remote_host": "10.9.8.7", "remote_port": 1}},
+         "remote_kv_source 10.9.8.7:1"),
+    ],
+)  # fmt: skip
+def test_every_leg_naming_a_peer_is_checked(params: dict[str, Any], peer: str) -> None:
+    """The one check the worker and vLLM's connector both run: every leg that would make this
+    node connect somewhere, in either dialect (issue 30: vLLM checked ``remote_kv_source``
+    only)."""
+    leg = parse_leg(params, "nixl-id")
+    assert str(LOOPBACK_ONLY.refused(leg)) == peer
+    assert PeerAllowlist.parse(["10.0.0.0/8"]).refused(leg) is None
+
+
+def test_legs_naming_no_peer_are_never_refused() -> None:
+    for params in ({"remote_decoder": {"kv_request_id": "k"}}, {"do_remote_decode": True}, None):
+        assert LOOPBACK_ONLY.refused(parse_leg(params, "nixl-id")) is None
 
 
 _ADDRESSES = st.one_of(st.ip_addresses(v=4), st.ip_addresses(v=6))
