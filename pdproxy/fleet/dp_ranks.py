@@ -23,7 +23,6 @@ refused and counted (:func:`batch_rank_refused`), never applied to any rank. An 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
 
 from kvtier.events.ranks import offset_endpoint
 from kvtier.events.types import EventBatch
@@ -33,16 +32,6 @@ DP_RANK_HEADER = "x-data-parallel-rank"
 """vLLM's request header naming the DP rank that serves a request."""
 
 _SEPARATOR = "#dp"
-
-
-class RankedConfig(Protocol):
-    """What rank expansion reads of a backend's configuration."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def data_parallel_size(self) -> int: ...
 
 
 def rank_node(backend: str, rank: int) -> NodeId:
@@ -58,10 +47,6 @@ def node_rank(node: str) -> tuple[str, int]:
     if sep and backend and digits.isascii() and digits.isdigit() and digits[0] != "0":
         return backend, int(digits)
     return node, 0
-
-
-def rank_nodes(backend: str, size: int) -> list[NodeId]:
-    return [rank_node(backend, r) for r in range(size)]
 
 
 def offset_port(address: tuple[str, int] | None, rank: int | None) -> tuple[str, int] | None:

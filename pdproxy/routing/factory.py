@@ -1,61 +1,27 @@
-"""Choose the router named by ``settings.router``."""
+"""Choose and build the router named by ``settings.router``: a load-only router, the KV router,
+or one KV router per model; wrapped to route per data-parallel rank when the fleet has ranks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
 
 from pdproxy.errors import ConfigError
 from pdproxy.routing.base import Router
+from pdproxy.routing.per_model import (
+    PerModelRouter,
+    RouterMetricsView,
+    check_distinct_seeds,
+    model_router_settings,
+)
 from pdproxy.routing.simple import LeastLoadedRouter, RoundRobinRouter
+from pdproxy.settings import parse_router_options
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-    from prometheus_client import CollectorRegistry
-
-    from pdproxy.fleet.backends import Backend, BackendRegistry
+    from pdproxy.fleet.backends import BackendRegistry
     from pdproxy.fleet.models import ModelCatalog
     from pdproxy.settings import ProxySettings
-
-
-@dataclass(frozen=True, slots=True)
-class EventEndpoints:
-    """A backend's KV event sockets, as the KV router's event feeds follow them."""
-
-    name: str
-    url: str
-    events_endpoint: str | None
-    events_replay_endpoint: str | None
-
-
-class RegistryEventSource:
-    """The live backend registry seen as event sources (read afresh on every ``all()``); with
-    ``ranks``, one source per data-parallel rank (:func:`pdproxy.fleet.dp_ranks.rank_streams`)."""
-
-    def __init__(self, registry: BackendRegistry, *, ranks: bool = False) -> None:
-        self._registry = registry
-        self._ranks = ranks
-
-    def all(self) -> list[EventEndpoints]:
-        return event_endpoints(self._registry.all(), ranks=self._ranks)
-
-
-def event_endpoints(backends: Iterable[Backend], *, ranks: bool) -> list[EventEndpoints]:
-    if not ranks:
-        return [
-            EventEndpoints(b.name, b.url, b.config.events_endpoint, b.config.events_replay_endpoint)
-            for b in backends
-        ]
-    from pdproxy.fleet.dp_ranks import rank_streams
-
-    return [
-        EventEndpoints(node, b.url, endpoint, replay)
-        for b in backends
-        for node, endpoint, replay in rank_streams(
-            b.name, b.data_parallel_size, b.config.events_endpoint, b.config.events_replay_endpoint
-        )
-    ]
 
 
 def routes_ranks(settings: ProxySettings) -> bool:
@@ -106,15 +72,56 @@ def build_plain_router(
     if settings.router == "least_loaded":
         return LeastLoadedRouter()
     if settings.router == "kv" and catalog is not None and catalog.configured():
-        from pdproxy.routing.per_model_build import build_per_model_router
-
         return build_per_model_router(settings, catalog, registry, metrics_registry, ranks=ranks)
     if settings.router == "kv":
-        from pdproxy.routing.kv.build import build_kv_router, parse_settings
+        from pdproxy.routing.kv.build import RegistryEventSource, build_kv_router
 
         return build_kv_router(
-            parse_settings(settings.router_options),
+            parse_router_options(settings.router_options),
             backends=RegistryEventSource(registry, ranks=ranks) if registry is not None else None,
             metrics_registry=metrics_registry,
         )
     raise ConfigError(f"unknown router {settings.router!r}")
+
+
+def build_per_model_router(
+    settings: ProxySettings,
+    catalog: ModelCatalog,
+    registry: BackendRegistry | None,
+    metrics_registry: CollectorRegistry | None,
+    *,
+    ranks: bool = False,
+) -> PerModelRouter:
+    """A KV router per model (:mod:`pdproxy.routing.per_model`), each with a metrics registry
+    of its own shown on ``metrics_registry`` through one :class:`RouterMetricsView`."""
+    from pdproxy.routing.kv.build import RegistryEventSource, build_kv_router
+
+    check_distinct_seeds(settings, catalog)
+    view = RouterMetricsView()
+    default_metrics = CollectorRegistry()
+    view.add(None, default_metrics)
+    default = build_kv_router(
+        parse_router_options(settings.router_options).model_copy(
+            update={"events": {}, "replay": {}}
+        ),
+        metrics_registry=default_metrics,
+    )
+
+    def build(model: str) -> Router:
+        own_metrics = CollectorRegistry()
+        adapter = catalog.base_of(model) is not None
+        router = build_kv_router(
+            model_router_settings(settings, catalog, model),
+            backends=RegistryEventSource(registry, ranks=ranks, model=model)
+            if registry is not None and not adapter
+            else None,
+            metrics_registry=own_metrics,
+        )
+        view.add(model, own_metrics)
+        return router
+
+    if metrics_registry is not None:
+        metrics_registry.register(view)
+    return PerModelRouter(
+        default=default, build=build, configured=catalog.configured(), known=catalog.known
+    )

@@ -2,8 +2,9 @@
 
 Residency, predictions and load of one model say nothing about another's: each model gets a
 KV router of its own (its own index, or its own Redis hash tag, its seed, block size and
-tokenizer), built from the top-level ``router_options`` with the model's
-``models.served.<name>.router_options`` over them. Hashes of two models never match because
+tokenizer), built from the top-level ``router_options`` with the keys the model's
+``models.served.<name>.router_options`` sets over them
+(:meth:`~pdproxy.settings.routing.KvRouterSettings.over`). Hashes of two models never match because
 their seeds differ: a model's seed defaults to ``<top-level seed>/model=<name>``, and two models
 given the same seed are refused at start.
 
@@ -34,16 +35,13 @@ from prometheus_client.registry import Collector
 
 from pdproxy.errors import ConfigError
 from pdproxy.routing.base import B, RequestOutcome, RouteDecision, Router, RouteRequest
-from pdproxy.routing.factory import EventEndpoints, event_endpoints
+from pdproxy.settings import KvRouterSettings, parse_router_options
 
 if TYPE_CHECKING:
-    from pdproxy.fleet.backends import BackendRegistry
     from pdproxy.fleet.models import ModelCatalog
     from pdproxy.settings import ProxySettings
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SEED = "default"
 
 
 class RouterMetricsView(Collector):
@@ -149,61 +147,50 @@ class PerModelRouter:
             log.exception("a model's router failed in finished()")
 
 
-class ModelEventSource:
-    """The backends serving one model, as the KV router's event feeds follow them (read
-    afresh on every ``all()``: models learned later move subscriptions)."""
-
-    def __init__(self, registry: BackendRegistry, model: str, *, ranks: bool = False) -> None:
-        self._registry = registry
-        self._model = model
-        self._ranks = ranks
-
-    def all(self) -> list[EventEndpoints]:
-        serving = [b for b in self._registry.all() if b.serves_model(self._model)]
-        return event_endpoints(serving, ranks=self._ranks)
-
-
-def model_router_options(
+def model_router_settings(
     settings: ProxySettings, catalog: ModelCatalog, model: str
-) -> dict[str, Any]:
-    """The KV router options of ``model``: the top-level ones, its base's (for an adapter),
-    its own; the seed derived from the model's name unless set."""
-    top = dict(settings.router_options)
-    top_seed = str(top.get("model_seed", DEFAULT_SEED))
+) -> KvRouterSettings:
+    """The KV router settings of ``model``: the top-level ones, its base's (for an adapter),
+    then the keys it sets itself; the seed derived from the model's name unless it sets one."""
+    own = _own_settings(settings, model)
     base = catalog.base_of(model)
     if base is not None:
-        base_options = model_router_options(settings, catalog, base)
-        own = _own_options(settings, model)
-        options = {**base_options, **own}
-        if "model_seed" not in own:
-            options["model_seed"] = f"{base_options['model_seed']}/lora={model}"
-        options["events"], options["replay"] = {}, {}
-        return options
-    options = {**top, **_own_options(settings, model)}
-    if "model_seed" not in _own_options(settings, model):
-        options["model_seed"] = f"{top_seed}/model={model}"
+        base_settings = model_router_settings(settings, catalog, base)
+        seed = f"{base_settings.model_seed}/lora={model}"
+        return base_settings.over(own).model_copy(
+            update={
+                "model_seed": own.model_seed if "model_seed" in own.model_fields_set else seed,
+                "events": {},
+                "replay": {},
+            }
+        )
+    top = parse_router_options(settings.router_options)
+    merged = top.over(own)
     serving = {
         b.name
         for b in settings.backends
         if not b.models or model in b.models  # a backend with no list may serve it
     }
-    for key in ("events", "replay"):
-        named = options.get(key)
-        if isinstance(named, dict):
-            options[key] = {k: v for k, v in named.items() if k in serving}
-    return options
+    seed = f"{top.model_seed}/model={model}"
+    return merged.model_copy(
+        update={
+            "model_seed": own.model_seed if "model_seed" in own.model_fields_set else seed,
+            "events": {k: v for k, v in merged.events.items() if k in serving},
+            "replay": {k: v for k, v in merged.replay.items() if k in serving},
+        }
+    )
 
 
-def _own_options(settings: ProxySettings, model: str) -> dict[str, Any]:
+def _own_settings(settings: ProxySettings, model: str) -> KvRouterSettings:
     config = settings.models.served.get(model)
-    return dict(config.router_options) if config is not None else {}
+    return parse_router_options(config.router_options) if config is not None else KvRouterSettings()
 
 
 def check_distinct_seeds(settings: ProxySettings, catalog: ModelCatalog) -> None:
     """Two models with one seed would share block hashes (and Redis keys): refused."""
     seen: dict[str, str] = {}
     for model in catalog.configured():
-        seed = str(model_router_options(settings, catalog, model)["model_seed"])
+        seed = model_router_settings(settings, catalog, model).model_seed
         other = seen.setdefault(seed, model)
         if other != model:
             raise ConfigError(f"models {other!r} and {model!r} have the same model_seed")

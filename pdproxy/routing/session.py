@@ -3,8 +3,8 @@
 Threat model: the id is the client's own text and names nothing on our side. It is bounded in
 length (a longer one is ignored: no affinity) and scoped by the client's bearer key, so a client
 can only steer the sessions of its own key; what a session steers is a ranking preference that
-the hot-spot guard overrides (:mod:`pdproxy.routing.kv.affinity`), never a backend choice the
-client names. The id never reaches an engine and is not logged.
+the hot-spot guard overrides (:mod:`pdproxy.routing.kv.scorers.affinity`), never a backend
+choice the client names. The id never reaches an engine and is not logged.
 """
 
 from __future__ import annotations

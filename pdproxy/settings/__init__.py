@@ -7,7 +7,9 @@ Rule 2: a value that passed validation is usable as it is: checks live on the fi
 error names the key path (``timeouts.connect_s: ...``), never the value (it may be a secret).
 
 :class:`ProxySettings` is the root; ``backends`` (where they are and how to reach them),
-``models``, ``membership`` and ``tracing`` are its branches, each in a module of its own.
+``models``, ``membership``, ``tracing`` and ``router_options`` (:mod:`~pdproxy.settings.routing`,
+its scorers' sections in :mod:`~pdproxy.settings.scorers`) are its branches, each in a module of
+its own.
 """
 
 from pdproxy.settings.backends import (
@@ -26,8 +28,10 @@ from pdproxy.settings.proxy import (
     FailoverSettings,
     ProxySettings,
     load_config_file,
+    parse_router_options,
     validation_error_text,
 )
+from pdproxy.settings.routing import KvRouterSettings
 
 __all__ = [
     "AdmissionSettings",
@@ -37,11 +41,13 @@ __all__ = [
     "Dialect",
     "FailoverSettings",
     "HealthSettings",
+    "KvRouterSettings",
     "ProxySettings",
     "RetrySettings",
     "Role",
     "TimeoutSettings",
     "UpstreamSettings",
     "load_config_file",
+    "parse_router_options",
     "validation_error_text",
 ]

@@ -9,9 +9,10 @@ models, and per-model admission limits. Nothing here reads the environment.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdproxy.settings.routing import KvRouterSettings
 
 MODEL_NAME_MAX = 256
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -46,8 +47,9 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    router_options: dict[str, Any] = Field(default_factory=dict)
-    """Over the top-level ``router_options`` for this model's KV router: ``model_seed``,
+    router_options: KvRouterSettings = Field(default_factory=KvRouterSettings)
+    """Over the top-level ``router_options`` for this model's KV router: only the keys set here
+    count (:meth:`~pdproxy.settings.routing.KvRouterSettings.over`): ``model_seed``,
     ``block_size``, ``tokenizer``... (``events``/``replay`` stay top-level, per backend)."""
     base: str | None = None
     """For a LoRA adapter: its base model. Learned from ``/v1/models`` (vLLM's ``parent``)

@@ -8,6 +8,7 @@ Sources, highest priority first: keyword arguments (the CLI), environment variab
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,6 +41,7 @@ from pdproxy.settings.backends import (
 )
 from pdproxy.settings.membership import MembershipSettings
 from pdproxy.settings.models import ModelsSettings
+from pdproxy.settings.routing import KvRouterSettings
 from pdproxy.settings.tracing import OtelSettings, otel_settings
 
 
@@ -131,6 +133,18 @@ def validation_error_text(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def parse_router_options(options: Mapping[str, Any] | KvRouterSettings) -> KvRouterSettings:
+    """``options`` as the KV router's settings: typed ones as they are; a mapping (settings
+    copied with ``model_copy``, which skips validation; a script's own dict) validated, a
+    :class:`ConfigError` naming the key path when it is not valid."""
+    if isinstance(options, KvRouterSettings):
+        return options
+    try:
+        return KvRouterSettings.model_validate(dict(options))
+    except ValidationError as exc:
+        raise ConfigError(f"invalid KV router options: {validation_error_text(exc)}") from exc
+
+
 class ProxySettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="PDPROXY_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -143,8 +157,9 @@ class ProxySettings(BaseSettings):
 
     backends: list[BackendConfig] = Field(default_factory=list)
     router: Literal["round_robin", "least_loaded", "kv"] = "round_robin"
-    router_options: dict[str, Any] = Field(default_factory=dict)
-    """Free-form options for the chosen router (the KV-aware router validates its own)."""
+    router_options: KvRouterSettings = Field(default_factory=KvRouterSettings)
+    """Options of the KV-aware router (:mod:`pdproxy.settings.routing`), validated here like
+    every other key; the load-only routers have none."""
 
     api_keys: list[ApiKey] = Field(default_factory=list)
     """Client keys; empty means no client authentication."""

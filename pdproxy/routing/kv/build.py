@@ -1,4 +1,5 @@
-"""Build the KV-aware router from its settings (the router factory's ``"kv"`` branch).
+"""Build the KV-aware router from its settings (the router factory's ``"kv"`` branch), and the
+I/O beside it: the live backend registry seen as its KV event sources, the engine-load scrape.
 
 Memory mode (no ``index_url``): a :class:`~pdproxy.routing.kv.state.LocalState`. Redis mode
 (``redis://`` or ``redis+cluster://``): a :class:`~pdproxy.routing.kv.shared_state.SharedState`
@@ -11,23 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
 
 from kvtier.keys import BlockHasher
 from kvtier.residency.memory import MemoryIndex
-from pdproxy.errors import ConfigError
 from pdproxy.routing.kv.engine_scrape import EngineLoadScraper, ScrapeTarget
-from pdproxy.routing.kv.load import NodeLoad
 from pdproxy.routing.kv.router import KvRouter
+from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer
 from pdproxy.routing.kv.settings import KvRouterSettings
-from pdproxy.routing.kv.state import LocalState, RouterState
+from pdproxy.routing.kv.state import LocalState, NodeLoad, RouterState
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
-from pdproxy.settings import validation_error_text
+from pdproxy.settings import parse_router_options
 from pdproxy.tokenize.build import build_tokenizer
+
+if TYPE_CHECKING:
+    from pdproxy.fleet.backends import Backend, BackendRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +57,55 @@ class BackendSource(Protocol):
     def all(self) -> Sequence[EventSource]: ...
 
 
-def parse_settings(options: Mapping[str, Any]) -> KvRouterSettings:
-    try:
-        return KvRouterSettings.model_validate(dict(options))
-    except ValidationError as exc:
-        raise ConfigError(f"invalid KV router options: {validation_error_text(exc)}") from exc
+@dataclass(frozen=True, slots=True)
+class EventEndpoints:
+    """A backend's KV event sockets, as the KV router's event feeds follow them."""
+
+    name: str
+    url: str
+    events_endpoint: str | None
+    events_replay_endpoint: str | None
+
+
+def event_endpoints(backends: Iterable[Backend], *, ranks: bool) -> list[EventEndpoints]:
+    if not ranks:
+        return [
+            EventEndpoints(b.name, b.url, b.config.events_endpoint, b.config.events_replay_endpoint)
+            for b in backends
+        ]
+    from pdproxy.fleet.dp_ranks import rank_streams
+
+    return [
+        EventEndpoints(node, b.url, endpoint, replay)
+        for b in backends
+        for node, endpoint, replay in rank_streams(
+            b.name, b.data_parallel_size, b.config.events_endpoint, b.config.events_replay_endpoint
+        )
+    ]
+
+
+class RegistryEventSource:
+    """The live backend registry seen as event sources (read afresh on every ``all()``); with
+    ``ranks``, one source per data-parallel rank (:func:`pdproxy.fleet.dp_ranks.rank_streams`);
+    with ``model``, only the backends serving it (models learned later move subscriptions)."""
+
+    def __init__(
+        self, registry: BackendRegistry, *, ranks: bool = False, model: str | None = None
+    ) -> None:
+        self._registry = registry
+        self._ranks = ranks
+        self._model = model
+
+    def all(self) -> list[EventEndpoints]:
+        backends = self._registry.all()
+        if self._model is not None:
+            backends = [b for b in backends if b.serves_model(self._model)]
+        return event_endpoints(backends, ranks=self._ranks)
+
+
+def parse_settings(options: Mapping[str, Any] | KvRouterSettings) -> KvRouterSettings:
+    """``router_options`` as the KV router's settings (:func:`parse_router_options`)."""
+    return parse_router_options(options)
 
 
 def build_kv_router(
@@ -88,9 +135,10 @@ def build_kv_router(
 
 
 def engine_scraper(router: KvRouter, backends: BackendSource) -> EngineLoadScraper:
-    """Scrapes every backend of the live registry into ``router.signals.readings``; this
+    """Scrapes every backend of the live registry into the engine-load scorer's readings; this
     proxy's own in-flight count comes from the router's state (shared load with Redis)."""
     state = router.state
+    engine = router.scorer(EngineLoadScorer)
 
     async def own_in_flight(node: str) -> int:
         try:
@@ -102,9 +150,9 @@ def engine_scraper(router: KvRouter, backends: BackendSource) -> EngineLoadScrap
     return EngineLoadScraper(
         router.settings.engine_load,
         lambda: [ScrapeTarget(b.name, b.url) for b in backends.all()],
-        router.signals.readings,
+        engine.readings,
         own_in_flight,
-        on_result=router.signal_metrics.scraped,
+        on_result=engine.scraped,
     )
 
 

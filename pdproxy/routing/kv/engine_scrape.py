@@ -1,6 +1,6 @@
 """Scrape each backend's Prometheus ``/metrics`` into :class:`EngineLoadReadings` (the I/O part
-of engine-reported load; the parse is :mod:`~pdproxy.routing.kv.engine_metrics_text`, the cost
-term :mod:`~pdproxy.routing.kv.engine_load_cost`).
+of engine-reported load; the parse is :mod:`~pdproxy.routing.kv.engine_metrics_text`, the
+scorer that charges it :mod:`~pdproxy.routing.kv.scorers.engine_load`).
 
 Every ``interval_s`` (± ``jitter``) all backends are scraped, at most ``concurrency`` at once.
 Threat model: a backend's ``/metrics`` answer is untrusted input (a broken or compromised
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from pdproxy.routing.kv.engine_load import EngineLoadReadings, EngineReading
 from pdproxy.routing.kv.engine_metrics_text import EngineSample, parse_engine_metrics
-from pdproxy.routing.kv.signal_settings import EngineLoadSettings
+from pdproxy.routing.kv.scorers.engine_load import EngineLoadReadings, EngineReading
+from pdproxy.settings.scorers import EngineLoadSettings
 
 logger = logging.getLogger(__name__)
 

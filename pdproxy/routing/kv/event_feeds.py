@@ -37,10 +37,10 @@ from kvtier.events.curve import CurveClient, load_client
 from kvtier.residency.types import NodeId, ResidencyIndex
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.dp_ranks import batch_rank_refused
-from pdproxy.routing.kv.settings import EventsCurveSettings
+from pdproxy.settings.routing import EventsCurveSettings
 
 if TYPE_CHECKING:
-    from pdproxy.routing.kv.index_exactness import IndexExactness
+    from pdproxy.routing.kv.scorers.index_exactness import IndexExactness
     from pdproxy.routing.kv.stream_leases import StreamLeases
 
 logger = logging.getLogger(__name__)

@@ -1,27 +1,20 @@
 """A plan turned into the request path's :class:`RouteDecision`, with its explanation.
 
 ``explain`` is what the opt-in debug header (:mod:`pdproxy.routing.explain_header`) and the
-debug log line show: the reason, where the
-residency came from (``memory``, ``redis`` or ``fallback``), the decision time, and per candidate
-its cost, its parts and its matched blocks per tier.
+debug log line show: the reason, where the residency came from (``memory``, ``redis`` or
+``fallback``), the decision time, per candidate its cost, its parts and its matched blocks per
+tier (the scorers then add their own figures, :meth:`Scorer.annotate`), and a pull's figures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from kvtier.keys import BlockHash
 from kvtier.residency.types import Match, NodeId
 from pdproxy.routing.base import B, RouteDecision
-from pdproxy.routing.kv.cost import NO_MATCH, Plan, Score
-
-
-@dataclass(frozen=True, slots=True)
-class HashedPrompt:
-    tokens: int
-    hashes: list[BlockHash]
+from pdproxy.routing.kv.plan import NO_MATCH, Plan, Score
+from pdproxy.routing.kv.prompt_hash import HashedPrompt
 
 
 def _rows(scores: Sequence[Score], matches: Mapping[NodeId, Match]) -> list[dict[str, object]]:
@@ -61,6 +54,8 @@ def decision_of(
         explain.update(prompt_tokens=hashed.tokens, blocks=len(hashed.hashes))
     else:
         explain["unhashable"] = hashed
+    if plan.pull is not None:
+        explain["pull"] = plan.pull.explain()
     load_only = plan.reason == "load-only"
     return RouteDecision(
         request_id=request_id,
@@ -71,4 +66,5 @@ def decision_of(
         predicted_cached_tokens=None if load_only else plan.predicted_cached_tokens,
         prompt_tokens=hashed.tokens if isinstance(hashed, HashedPrompt) else None,
         route_time_s=route_s,
+        pull=plan.pull.source if plan.pull is not None else None,
     )

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvtier.errors import InvalidTokensError
 from kvtier.keys import BlockHash, BlockHasher
 from pdproxy.routing.base import RouteRequest
-from pdproxy.routing.kv.explain import HashedPrompt
 from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
 from pdproxy.tokenize.base import Tokenizer, token_ids
@@ -24,6 +24,14 @@ from pdproxy.tokenize.errors import TokenizationError
 from pdproxy.tokenize.prompt import Unhashable, cache_salt_of, prompt_of
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HashedPrompt:
+    tokens: int
+    """The prompt's length in tokens (all of it, past ``max_route_blocks`` too)."""
+    hashes: list[BlockHash]
+    """Chained hashes of its routed prefix's full blocks."""
 
 
 class PromptHasher:

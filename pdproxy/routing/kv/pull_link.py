@@ -1,7 +1,10 @@
-"""Measured pulls from the workers' counters: the growth of a node's ``pull_bytes`` and
-``pull_seconds`` between two scrapes is the bytes its pulls moved and the wall time they took
-(state only; the scraper reads the counters, the router feeds what this yields to the
-:class:`~pdproxy.routing.kv.pull_planner.PullPlanner`).
+"""The link speed the pull cost uses, and the measured pulls that teach it.
+
+:class:`LinkSpeed` starts at the configured ``pull.link_bytes_per_s`` and follows measured pulls
+as an exponentially weighted moving average. A pull is measured from the workers' counters: the
+growth of a node's ``pull_bytes`` and ``pull_seconds`` between two scrapes is the bytes its
+pulls moved and the wall time they took (:class:`PullCounters`; state only: the engine-load
+scrape reads the counters, the pull scorer folds what this yields into its link speed).
 
 Threat model: the counters come from an untrusted ``/metrics`` answer. A backend can bias the
 link speed the pull cost uses (as it could by pulling slowly), never raise or grow memory:
@@ -16,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from pdproxy.routing.kv.engine_metrics_text import EngineSample
+from pdproxy.settings.scorers import PullSettings
 
 MAX_BYTES_PER_S = 1e13
 """10 TB/s: no link between two nodes moves KV faster; a delta claiming more is ignored."""
@@ -65,3 +69,24 @@ class PullCounters:
 def _counters(*values: float) -> bool:
     """Counter values to keep (the parser already refuses others; this holds without it)."""
     return all(math.isfinite(v) and v >= 0.0 for v in values)
+
+
+class LinkSpeed:
+    """Bytes per second between nodes: the configured value until pulls are measured."""
+
+    def __init__(self, settings: PullSettings) -> None:
+        self._settings = settings
+        self.bytes_per_s = settings.link_bytes_per_s
+        self.samples = 0
+
+    def observe(self, nbytes: int, seconds: float) -> bool:
+        """Fold one measured pull in; False when it is too small or malformed to count."""
+        if nbytes < max(self._settings.min_sample_bytes, 1) or not seconds > 0.0:
+            return False
+        rate = nbytes / seconds
+        alpha = self._settings.ewma_alpha
+        self.bytes_per_s = (
+            rate if self.samples == 0 else (alpha * rate + (1.0 - alpha) * self.bytes_per_s)
+        )
+        self.samples += 1
+        return True

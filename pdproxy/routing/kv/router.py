@@ -1,16 +1,23 @@
 """The KV-aware router: one decision over one :class:`~pdproxy.routing.kv.state.RouterState`.
 
-One decision, step by step:
+One decision, step by step (:meth:`KvRouter.route`):
 
-1. The prompt → block hashes of its routed prefix (:mod:`pdproxy.routing.kv.prompt_hash`);
-   requests that cannot be hashed go on with no prompt: load alone.
-2. ``state.observe``: matches and the nodes' load (one round trip for both with Redis; with the
-   shared store down, this replica's own load and no matches).
-3. :func:`~pdproxy.routing.kv.cost.plan_route` ranks consumers and producers.
-4. ``state.record``: the chosen nodes are charged and get speculative residency for the prompt's
-   blocks (:mod:`pdproxy.routing.kv.charges`); ``finished`` releases exactly that charge.
+1. filter: the request path's chain (:mod:`pdproxy.routing.candidates`) gave this router only
+   candidates the request can use (model, role, routable, dialect); none left is a 503.
+2. observe (:meth:`KvRouter._observe`, the only I/O): the prompt → block hashes of its routed
+   prefix (:mod:`~pdproxy.routing.kv.prompt_hash`; a request that cannot be hashed goes on with
+   no prompt: load alone); ``state.observe``: matches and the nodes' load (one round trip for
+   both with Redis; with the shared store down, this replica's own load and no matches); each
+   scorer's view of the decision (:mod:`~pdproxy.routing.kv.scorers`).
+3. score and pick (:func:`~pdproxy.routing.kv.decide.decide`): pure over what was observed.
+4. record (:meth:`KvRouter._record`): the scorers' bookkeeping; ``state.record`` charges the
+   chosen nodes and writes speculative residency for the prompt's blocks
+   (:func:`~pdproxy.routing.kv.state.charges`); the decision, its explanation and metrics.
+   ``finished`` releases exactly that charge.
 
-The router never asks whether its state is local or shared.
+The router never asks whether its state is local or shared, and its decision never names a
+signal: the scorers are the registry's (:data:`~pdproxy.routing.kv.scorers.SCORERS`). Only its
+construction does, to wire the I/O that feeds two of them (KV events, engine scrapes).
 """
 
 from __future__ import annotations
@@ -20,30 +27,51 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.keys import BlockHasher
-from kvtier.residency.types import NodeId
 from pdproxy.errors import NoBackendAvailable
 from pdproxy.fleet.backends import BreakerState
 from pdproxy.routing.base import B, RequestOutcome, RouteDecision, RouteRequest
-from pdproxy.routing.kv.affinity import SessionAffinity
-from pdproxy.routing.kv.charges import load_deltas, predictions
-from pdproxy.routing.kv.cost import NO_MATCH, NodeState, PromptShape, plan_route
+from pdproxy.routing.kv.decide import Scoring, decide, scoring_of
 from pdproxy.routing.kv.event_feeds import EventFeeds
-from pdproxy.routing.kv.explain import HashedPrompt, decision_of
-from pdproxy.routing.kv.load import LoadDelta, NodeLoad
-from pdproxy.routing.kv.node_signals import NodeSignals
-from pdproxy.routing.kv.prompt_hash import PromptHasher
-from pdproxy.routing.kv.pull import pull_deltas
-from pdproxy.routing.kv.pull_planner import PullPlanner, with_pull
+from pdproxy.routing.kv.explain import decision_of
+from pdproxy.routing.kv.plan import Plan, PromptShape
+from pdproxy.routing.kv.prompt_hash import HashedPrompt, PromptHasher
+from pdproxy.routing.kv.scorers import build_scorers
+from pdproxy.routing.kv.scorers.base import Ask, Made, Over, Scorer, View, overriding
+from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer
+from pdproxy.routing.kv.scorers.index_exactness import IndexExactnessScorer
+from pdproxy.routing.kv.scorers.pull import PullScorer
 from pdproxy.routing.kv.settings import KvRouterSettings
-from pdproxy.routing.kv.signals_metrics import SignalMetrics
-from pdproxy.routing.kv.state import Observation, RouterState
+from pdproxy.routing.kv.state import (
+    LoadDelta,
+    Observation,
+    Prediction,
+    RouterState,
+    charges,
+    predictions,
+)
 from pdproxy.routing.kv.telemetry import KvRouterMetrics, observe_drift
 from pdproxy.tokenize.base import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+S = TypeVar("S", bound=Scorer[Any])
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What one decision observed."""
+
+    hashed: HashedPrompt | str
+    """The prompt's hashes, or why it could not be hashed."""
+    observation: Observation
+    prompt: PromptShape | None
+    """None: route by load alone (unhashable, or the index did not answer)."""
+    views: tuple[View, ...]
+    """Each scorer's view, in the registry's order."""
+    now: float
 
 
 @dataclass(slots=True)
@@ -77,10 +105,15 @@ class KvRouter:
         self._on_close = tuple(on_close)
         self._tickets: dict[str, _Ticket] = {}
         """What each decision in flight charged, by request id."""
-        self.affinity = SessionAffinity(settings.affinity, metrics.registry)
-        self.signals = NodeSignals(settings)
-        """Engine-reported load and index exactness per node."""
-        self.signal_metrics = SignalMetrics(self.signals, metrics.registry)
+        self.scorers = build_scorers(settings, metrics.registry)
+        recording = overriding(self.scorers, "record")
+        self._recording = [i for i, s in enumerate(self.scorers) if s in recording]
+        """Indexes of the scorers (and of their views) whose ``record`` is not the default."""
+        self._annotating = overriding(self.scorers, "annotate")
+        self._finishing = overriding(self.scorers, "finished")
+        # The I/O that feeds signals: the KV event feeds follow each stream's exactness, and
+        # the workers' pull counters (scraped with engine load) teach pull its link speed.
+        exactness = self.find(IndexExactnessScorer)
         self.feeds = EventFeeds(
             state.index,
             metrics.event_apply_errors.inc,
@@ -88,13 +121,23 @@ class KvRouter:
             curve=settings.events_curve,
             leases=state.leases,
             on_rank_refused=lambda node: metrics.events_rank_refused.labels(node).inc(),
-            exactness=self.signals.exactness,
+            exactness=exactness.exactness if exactness is not None else None,
         )
+        engine, pull = self.find(EngineLoadScorer), self.find(PullScorer)
+        if engine is not None and pull is not None:
+            engine.readings.on_pull = lambda node, m: pull.measured(m.nbytes, m.seconds)
         self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self.pulls = PullPlanner(settings.pull, settings.weights, metrics.registry)
-        # The workers' pull counters, scraped with engine load, teach the planner the link speed.
-        self.signals.readings.on_pull = lambda node, m: self.pulls.observe(m.nbytes, m.seconds)
+
+    def find(self, kind: type[S]) -> S | None:
+        """This router's scorer of type ``kind``, if the registry has one."""
+        return next((s for s in self.scorers if isinstance(s, kind)), None)
+
+    def scorer(self, kind: type[S]) -> S:
+        found = self.find(kind)
+        if found is None:
+            raise LookupError(f"no {kind.__name__} in the scorer registry")
+        return found
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -140,11 +183,24 @@ class KvRouter:
         consumers: Sequence[B],
     ) -> RouteDecision[B]:
         t0 = time.perf_counter()
-        cons = [b for b in consumers if b.routable]
-        if not cons:
+        if not consumers:  # filter: routing/candidates.py left no consumer
             raise NoBackendAvailable("no routable consumer")
-        prods = [b for b in producers if b.routable]
-        names = sorted({b.name for b in prods} | {b.name for b in cons})
+        seen = await self._observe(request, producers, consumers)
+        scoring = scoring_of(
+            seen.prompt, seen.observation, [b.name for b in producers],
+            [b.name for b in consumers], views=seen.views, block_size=self.settings.block_size,
+        )  # fmt: skip
+        plan = decide(scoring, self.settings)
+        decided_s = time.perf_counter() - t0
+        return await self._record(
+            request, producers, consumers, seen=seen, scoring=scoring, plan=plan, t0=t0,
+            decided_s=decided_s,
+        )  # fmt: skip
+
+    async def _observe(
+        self, request: RouteRequest, producers: Sequence[B], consumers: Sequence[B]
+    ) -> _Seen:
+        names = sorted({b.name for b in producers} | {b.name for b in consumers})
         hashed: HashedPrompt | str
         try:
             hashed = await self._prompts.hash(request)
@@ -160,34 +216,34 @@ class KvRouter:
         prompt = None
         if isinstance(hashed, HashedPrompt) and seen.matches is not None:
             prompt = PromptShape(hashed.tokens, self.settings.block_size)
-        m = seen.matches or {}
-        sticky = self.affinity.sticky_node(request.session)
-        if sticky is not None and prompt is not None:  # routing/kv/affinity.py
-            m = self.affinity.boost(sticky, m, prompt.blocks)
-        loads = seen.loads
         now = time.monotonic()
+        ask = Ask(request, [*producers, *consumers], now)
+        return _Seen(hashed, seen, prompt, tuple([s.observe(ask) for s in self.scorers]), now)
 
-        def node_state(b: B) -> NodeState:
-            load = loads.get(b.name, NodeLoad())
-            match, engine = self.signals.adjust(b.name, m.get(NodeId(b.name), NO_MATCH), now)
-            return NodeState(b.name, match, load.in_flight, load.queued_tokens, engine)
-
-        p_states, c_states = [node_state(b) for b in prods], [node_state(b) for b in cons]
-        plan = plan_route(prompt, p_states, c_states, self.settings)
-        pulled = self.pulls.consider(
-            request.request_id, plan, prompt, p_states, c_states, backends=[*prods, *cons]
-        )
-        if pulled is not None:
-            plan = pulled.plan
-        decided_s = time.perf_counter() - t0
-        self.signals.after_plan(plan, prompt, m, now)
-        deltas = load_deltas(plan, hashed, m, self.settings.block_size)
-        if pulled is not None and prompt is not None:
-            deltas = pull_deltas(deltas, pulled, prompt.tokens, self.settings.block_size)
+    async def _record(
+        self,
+        request: RouteRequest,
+        producers: Sequence[B],
+        consumers: Sequence[B],
+        *,
+        seen: _Seen,
+        scoring: Scoring,
+        plan: Plan,
+        t0: float,
+        decided_s: float,
+    ) -> RouteDecision[B]:
+        matches = scoring.matches
+        made = Made(request, plan, seen.prompt, matches, seen.now)
+        for i in self._recording:
+            self.scorers[i].record(made, seen.views[i])
+        hashed, observed = seen.hashed, seen.observation.matches
+        tokens = hashed.tokens if isinstance(hashed, HashedPrompt) else 0
+        deltas = charges(plan, tokens, matches, self.settings.block_size)
+        predicted: list[Prediction] = []
+        if isinstance(hashed, HashedPrompt) and observed is not None:
+            predicted = predictions(plan, hashed.hashes, observed)
         try:
-            recorded = await self.state.record(
-                deltas, predictions(plan, hashed, seen.matches), self.settings.prediction_ttl_s
-            )
+            recorded = await self.state.record(deltas, predicted, self.settings.prediction_ttl_s)
         except Exception:
             logger.exception("route %s: recording the decision failed", request.request_id)
             recorded = False
@@ -195,38 +251,36 @@ class KvRouter:
         decision = decision_of(
             plan,
             request_id=request.request_id,
-            prods=prods,
-            cons=cons,
+            prods=producers,
+            cons=consumers,
             hashed=hashed,
-            matches=m,
-            source=seen.source,
+            matches=matches,
+            source=seen.observation.source,
             decided_s=decided_s,
             route_s=route_s,
         )
-        self.signals.annotate(decision.explain, now)
-        decision = with_pull(decision, pulled)
-        mode = "pd" if plan.producers else "alone"
+        for scorer in self._annotating:
+            scorer.annotate(decision.explain, seen.now)
         stale = self._tickets.pop(request.request_id, None)
         if stale is not None:  # a caller reusing an id in flight: release what it charged
             logger.warning("route %s: request id already in flight", request.request_id)
             self.state.local.apply(tuple(d.negated() for d in stale.deltas))
-        blocks = prompt.blocks if prompt is not None else 0
+        blocks = seen.prompt.blocks if seen.prompt is not None else 0
+        mode = "pd" if plan.producers else "alone"
         self._tickets[request.request_id] = _Ticket(
             decision, deltas, recorded, mode, request.session, blocks
         )
-        if request.session is not None:
-            self.affinity.chosen(sticky, plan.consumers[0])
         self.metrics.decisions.labels(plan.reason).inc()
         self.metrics.route_seconds.observe(route_s)
-        if prompt is not None:
-            self.metrics.prompt_tokens.inc(prompt.tokens)
+        if seen.prompt is not None:
+            self.metrics.prompt_tokens.inc(seen.prompt.tokens)
             self.metrics.predicted_hit_tokens.inc(plan.predicted_cached_tokens)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "route %s: %s consumer=%s producer=%s index=%s decide=%.3fms scores=%s",
                 request.request_id, plan.reason, plan.consumers[0],
-                plan.producers[0] if plan.producers else "-", seen.source, decided_s * 1e3,
-                decision.explain.get("consumers"),
+                plan.producers[0] if plan.producers else "-", seen.observation.source,
+                decided_s * 1e3, decision.explain.get("consumers"),
             )  # fmt: skip
         return decision
 
@@ -236,11 +290,14 @@ class KvRouter:
             if ticket is None or ticket.decision is not decision:
                 return
             del self._tickets[decision.request_id]
-            self.pulls.finished(decision.request_id)
+            over = Over(decision.request_id, ticket.session, ticket.blocks)
+            for scorer in self._finishing:
+                try:
+                    scorer.finished(over, outcome)
+                except Exception:  # one scorer's bug must not keep the charge
+                    logger.exception("kv router: scorer %s failed in finished()", scorer.name)
             release = tuple(d.negated() for d in ticket.deltas)
             await self.state.release(release, ticket.recorded)
-            if outcome.ok and outcome.consumer is not None:
-                self.affinity.remember(ticket.session, outcome.consumer, ticket.blocks)
             observe_drift(self.metrics, decision, outcome, ticket.mode)
         except Exception:  # finished must never raise into the request path
             logger.exception("kv router: finished() failed for a decision")

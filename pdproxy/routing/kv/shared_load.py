@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.residency.redis_client import RedisClient, ScriptCall, hash_tag
-from pdproxy.routing.kv.load import LoadDelta, NodeLoad
+from pdproxy.routing.kv.state import LoadDelta, NodeLoad
 
 # One HMGET per live replica (not per node): a decision over a thousand candidates stays a few
 # commands inside Redis.

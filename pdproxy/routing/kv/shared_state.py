@@ -23,9 +23,15 @@ from kvtier.keys import BlockHash
 from kvtier.residency.redis_index import RedisIndex
 from kvtier.residency.types import Match, NodeId
 from pdproxy.fleet.backends import BreakerState
-from pdproxy.routing.kv.load import LoadDelta, MemoryLoad, NodeLoad
 from pdproxy.routing.kv.shared_load import RedisLoad
-from pdproxy.routing.kv.state import Observation, Prediction, as_nodes
+from pdproxy.routing.kv.state import (
+    LoadDelta,
+    MemoryLoad,
+    NodeLoad,
+    Observation,
+    Prediction,
+    as_nodes,
+)
 from pdproxy.routing.kv.store_guard import StoreGuard
 from pdproxy.routing.kv.stream_leases import StreamLeases
 

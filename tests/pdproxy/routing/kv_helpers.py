@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from kvtier.events import BlockRemoved, BlockStored, EventBatch
 from kvtier.keys import BlockHasher
 from pdproxy.routing.base import Role, RouteRequest
+from pdproxy.routing.kv.decide import Scoring, pick
+from pdproxy.routing.kv.plan import NodeState, Plan, PromptShape
+from pdproxy.routing.kv.scorers.load import LoadView
+from pdproxy.routing.kv.scorers.prefix import PrefixView
+from pdproxy.routing.kv.settings import KvRouterSettings
 
 SEED = "test-model"
 BS = 16
@@ -57,3 +62,24 @@ def prompt_text(group: int, length: int = 2048, suffix: str = "") -> str:
     """A ``length``-byte shared prefix for ``group`` plus a per-request suffix."""
     unit = f"[{group:04d}] system prompt of this group. "  # differs from the first block on
     return (unit * (length // len(unit) + 1))[:length] + suffix
+
+
+def scoring(
+    prompt: PromptShape | None,
+    producers: Sequence[NodeState],
+    consumers: Sequence[NodeState],
+    settings: KvRouterSettings,
+) -> Scoring:
+    """Candidates scored by the cost terms that need no outside signal: load, prefix credit."""
+    views = (LoadView(settings.weights), PrefixView(settings.weights))
+    return Scoring(prompt, producers, consumers, views, settings.block_size)
+
+
+def plan_route(
+    prompt: PromptShape | None,
+    producers: Sequence[NodeState],
+    consumers: Sequence[NodeState],
+    settings: KvRouterSettings,
+) -> Plan:
+    """The picker's plan over constructed candidates (``prompt`` None: load alone)."""
+    return pick(scoring(prompt, producers, consumers, settings), settings)

@@ -26,8 +26,8 @@ from pdproxy.fleet.dp_ranks import (
 )
 from pdproxy.routing.base import RequestOutcome, Role
 from pdproxy.routing.dp_router import DpRankMetrics, DpRankRouter
-from pdproxy.routing.factory import RegistryEventSource, build_router, routes_ranks
-from pdproxy.routing.kv.build import build_kv_router
+from pdproxy.routing.factory import build_router, routes_ranks
+from pdproxy.routing.kv.build import RegistryEventSource, build_kv_router
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.simple import LeastLoadedRouter, RoundRobinRouter

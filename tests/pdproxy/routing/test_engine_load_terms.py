@@ -7,13 +7,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from kvtier.residency.types import Match
-from pdproxy.routing.kv.engine_load import EngineLoadReadings, EngineReading
-from pdproxy.routing.kv.engine_load_cost import engine_load_tokens, external_requests
+from pdproxy.routing.base import Role
 from pdproxy.routing.kv.engine_metrics_text import EngineSample, parse_engine_metrics
-from pdproxy.routing.kv.node_signals import NodeSignals
-from pdproxy.routing.kv.settings import CostWeights, KvRouterSettings
-from pdproxy.routing.kv.signal_settings import EngineLoadSettings
+from pdproxy.routing.kv.plan import NodeState, PromptShape, Task
+from pdproxy.routing.kv.scorers import engine_load
+from pdproxy.routing.kv.scorers.base import Ask
+from pdproxy.routing.kv.scorers.engine_load import (
+    EngineLoadReadings,
+    EngineReading,
+    engine_load_tokens,
+    external_requests,
+)
+from pdproxy.routing.kv.settings import CostWeights, EngineLoadSettings, KvRouterSettings
+
+from .kv_helpers import Backend, text_request
 
 WEIGHTS = CostWeights()
 ENGINE = EngineLoadSettings(enabled=True)
@@ -88,6 +95,12 @@ def test_any_bytes_parse_without_raising(data: bytes) -> None:
         assert sample.kv_usage is None or 0.0 <= sample.kv_usage <= 1.0
 
 
+def charged(scorer: engine_load.EngineLoadScorer, node: str, now: float) -> float:
+    """The engine-load term a decision at ``now`` charges ``node``."""
+    view = scorer.observe(Ask(text_request("x"), [Backend(node, Role.CONSUMER)], now))
+    return view.cost(NodeState(node), Task.PREFILL, PromptShape(0, 16)).tokens
+
+
 def reading(waiting: int, running: int, own: int, usage: float | None = None, at: float = 0.0):
     return EngineReading(EngineSample(waiting, running, usage), own, at)
 
@@ -132,13 +145,13 @@ def test_a_reading_older_than_the_bound_is_ignored() -> None:
     assert readings.fresh("c0", 103.5) is None
     assert readings.latest("c0") is not None  # still shown, no longer charged
     router_settings = KvRouterSettings(engine_load=EngineLoadSettings(enabled=True, interval_s=1.0))
-    signals = NodeSignals(router_settings)
-    signals.readings.put("c0", reading(5, 5, 0, at=100.0))
-    assert signals.adjust("c0", Match(), 102.0)[1] > 0.0
-    assert signals.adjust("c0", Match(), 104.0)[1] == 0.0  # 3 intervals: own count alone
+    scorer = engine_load.build(router_settings, CollectorRegistry())
+    scorer.readings.put("c0", reading(5, 5, 0, at=100.0))
+    assert charged(scorer, "c0", 102.0) > 0.0
+    assert charged(scorer, "c0", 104.0) == 0.0  # 3 intervals: own count alone
 
 
 def test_readings_are_not_charged_when_the_feature_is_off() -> None:
-    signals = NodeSignals(KvRouterSettings())
-    signals.readings.put("c0", reading(5, 5, 0, at=0.0))
-    assert signals.adjust("c0", Match(), 0.0)[1] == 0.0
+    scorer = engine_load.build(KvRouterSettings(), CollectorRegistry())
+    scorer.readings.put("c0", reading(5, 5, 0, at=0.0))
+    assert charged(scorer, "c0", 0.0) == 0.0

@@ -14,10 +14,9 @@ from prometheus_client import CollectorRegistry
 
 from pdproxy.routing.base import Role
 from pdproxy.routing.kv.build import build_kv_router
-from pdproxy.routing.kv.engine_load import EngineLoadReadings
 from pdproxy.routing.kv.engine_scrape import EngineLoadScraper, ScrapeTarget
-from pdproxy.routing.kv.settings import KvRouterSettings
-from pdproxy.routing.kv.signal_settings import EngineLoadSettings
+from pdproxy.routing.kv.scorers.engine_load import EngineLoadReadings, EngineLoadScorer
+from pdproxy.routing.kv.settings import EngineLoadSettings, KvRouterSettings
 
 from .kv_helpers import BS, SEED, Backend, prompt_text, text_request
 
@@ -218,10 +217,10 @@ async def test_scraped_queue_steers_the_router(enabled: bool) -> None:
         try:
             if enabled:
                 for _ in range(200):
-                    if len(router.signals.readings.nodes()) == 2:
+                    if len(router.scorer(EngineLoadScorer).readings.nodes()) == 2:
                         break
                     await asyncio.sleep(0.05)
-                assert router.signals.readings.nodes() == ["c0", "c1"]
+                assert router.scorer(EngineLoadScorer).readings.nodes() == ["c0", "c1"]
             cons = [Backend("c0", Role.CONSUMER, busy.url), Backend("c1", Role.CONSUMER, idle.url)]
             decision = await router.route(text_request(prompt_text(1)), [], cons)
             assert decision.consumers[0].name == ("c1" if enabled else "c0")

@@ -6,9 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.residency.types import Match
-from pdproxy.routing.kv.index_exactness import Exactness, IndexExactness
-from pdproxy.routing.kv.node_signals import discounted_match
-from pdproxy.routing.kv.signal_settings import IndexExactnessSettings
+from pdproxy.routing.kv.scorers.index_exactness import (
+    Exactness,
+    IndexExactness,
+    discounted_match,
+)
+from pdproxy.routing.kv.settings import IndexExactnessSettings
 
 SETTINGS = IndexExactnessSettings(silence_s=5.0, settle_s=2.0)
 

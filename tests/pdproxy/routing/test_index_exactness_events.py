@@ -12,10 +12,13 @@ from prometheus_client import CollectorRegistry
 from kvtier.residency.memory import MemoryIndex
 from kvtier.residency.types import NodeId
 from pdproxy.routing.kv.event_feeds import EventFeeds
-from pdproxy.routing.kv.index_exactness import Exactness, IndexExactness
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
-from pdproxy.routing.kv.signal_settings import IndexExactnessSettings
+from pdproxy.routing.kv.scorers.index_exactness import (
+    Exactness,
+    IndexExactness,
+    IndexExactnessScorer,
+)
+from pdproxy.routing.kv.settings import IndexExactnessSettings, KvRouterSettings
 from pdproxy.routing.kv.state import LocalState
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
 from pdproxy.tokenize.base import OffLoopTokenizer
@@ -127,7 +130,7 @@ async def test_a_stale_node_is_discounted_explained_and_exported() -> None:
         busy = await router.route(text_request(short), [], cons)  # charges c0 (a tie by name)
         assert busy.consumers[0].name == "c0"
         now = asyncio.get_running_loop().time()
-        ex = router.signals.exactness
+        ex = router.scorer(IndexExactnessScorer).exactness
         ex.track("c0", now)
         ex.track("c1", now)
         trusted = await router.route(text_request(long + "tail"), [], cons)

@@ -6,14 +6,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.residency.types import Match
-from pdproxy.routing.kv.cost import (
-    NodeState,
-    PromptShape,
-    credit_blocks,
-    plan_route,
-    prefill_score,
-)
+from pdproxy.routing.kv.plan import NodeState, PromptShape, Task
+from pdproxy.routing.kv.scorers.prefix import credit_blocks
 from pdproxy.routing.kv.settings import CostWeights, KvRouterSettings, LocalPrefillThresholds
+
+from .kv_helpers import plan_route, scoring
 
 S = KvRouterSettings()
 LONG = PromptShape(tokens=4096, block_size=16)  # 256 blocks
@@ -216,6 +213,6 @@ def test_plan_invariants(
     assert 0 <= plan.predicted_cached_tokens <= prompt.max_cacheable_tokens
     # Prefill cost never goes below the load and never credits more than the prompt.
     for p in producers:
-        score = prefill_score(p, prompt, S.weights)
+        score = scoring(prompt, producers, consumers, S).score(p, Task.PREFILL)
         assert score.cost >= score.load
         assert score.credit_blocks <= prompt.blocks

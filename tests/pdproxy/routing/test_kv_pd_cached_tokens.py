@@ -4,8 +4,10 @@ baseline): kvtier workers count the blocks they fetched, vLLM's NixlConnector do
 from __future__ import annotations
 
 from kvtier.residency.types import Match
-from pdproxy.routing.kv.cost import NodeState, PromptShape, plan_route
+from pdproxy.routing.kv.plan import NodeState, PromptShape
 from pdproxy.routing.kv.settings import KvRouterSettings
+
+from .kv_helpers import plan_route
 
 PROMPT = PromptShape(tokens=1000, block_size=128)  # 7 full blocks, 896 cacheable tokens
 

@@ -10,11 +10,15 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from kvtier.residency.types import Match
-from pdproxy.routing.kv.cost import NodeState, PromptShape, plan_route
-from pdproxy.routing.kv.pull import PullEndpoint, choose_pull, move_tokens
-from pdproxy.routing.kv.pull_planner import LinkSpeed, PullPlanner
-from pdproxy.routing.kv.pull_settings import PullSettings
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.routing.base import RequestOutcome, RouteRequest
+from pdproxy.routing.kv.decide import pick
+from pdproxy.routing.kv.plan import NodeState, Plan, PromptShape
+from pdproxy.routing.kv.pull_link import LinkSpeed
+from pdproxy.routing.kv.scorers.base import Ask, Made, Over
+from pdproxy.routing.kv.scorers.pull import PullEndpoint, PullScorer, choose_pull, move_tokens
+from pdproxy.routing.kv.settings import KvRouterSettings, PullSettings
+
+from .kv_helpers import scoring
 
 S = KvRouterSettings()
 PULL = PullSettings(enabled=True, block_bytes=64 * 1024, link_bytes_per_s=1e9)
@@ -46,11 +50,28 @@ def decide(
     pull: PullSettings = PULL,
     prompt: PromptShape = LONG,
 ):  # type: ignore[no-untyped-def]
-    plan = plan_route(prompt, producers, consumers, S)
+    costing = scoring(prompt, producers, consumers, S)
+    plan = pick(costing, S)
     return plan, choose_pull(
-        plan, prompt, producers, consumers, endpoints=eps, weights=S.weights, settings=pull,
-        link_bytes_per_s=pull.link_bytes_per_s,
-    )  # fmt: skip
+        plan, costing, endpoints=eps, settings=pull, link_bytes_per_s=pull.link_bytes_per_s
+    )
+
+
+def consider(
+    scorer: PullScorer, request_id: str, consumers: list[NodeState], eps: dict[str, PullEndpoint]
+) -> Plan | None:
+    """One decision as the router makes it: the scorer's view, the pick, the view's revision,
+    the scorer's record; the plan when it pulls."""
+    request = RouteRequest(request_id, "completions", {})
+    view = scorer.observe(Ask(request, list(eps.values()), 0.0))  # type: ignore[arg-type]
+    costing = scoring(LONG, [], consumers, S)
+    plan = view.revise(pick(costing, S), costing)
+    scorer.record(Made(request, plan, LONG, {}, 0.0), view)
+    return plan if plan.pull is not None else None
+
+
+def finish(scorer: PullScorer, request_id: str) -> None:
+    scorer.finished(Over(request_id, None, 0), RequestOutcome(None, None, ok=True))
 
 
 BUSY_HOLDER = NodeState("a", gpu(256), in_flight=20, queued_tokens=3000)
@@ -62,14 +83,14 @@ def test_busy_holder_idle_node_alone_pool_pulls_to_the_idle_node() -> None:
     # Without pull the guard sends the request to b, which recomputes all 4101 tokens.
     assert plan.consumers[0] == "b" and plan.reason == "load"
     assert pulled is not None
-    assert pulled.plan.consumers == ("b", "a") and pulled.plan.producers == ()
-    assert pulled.plan.reason == "pull"
-    assert pulled.plan.predicted_cached_tokens == 4096
-    src = pulled.source
+    assert pulled.consumers == ("b", "a") and pulled.producers == ()
+    assert pulled.reason == "pull"
+    assert pulled.predicted_cached_tokens == 4096
+    src = pulled.pull.source
     assert (src.holder, src.host, src.port, src.engine_id, src.blocks) == (
         "a", "10.0.0.1", 7100, "engine-a", 256,
     )  # fmt: skip
-    c = pulled.choice
+    c = pulled.pull
     assert c.nbytes == 256 * 64 * 1024
     assert c.cost < c.plan_cost and c.cost < c.wait_cost
     # 5 tokens past the prefix + the move + setup, nothing queued on b.
@@ -81,8 +102,8 @@ def test_disaggregated_pool_the_free_producer_pulls() -> None:
     plan, pulled = decide([holder, NodeState("p1")], [NodeState("c0")], endpoints("p0", "p1"))
     assert plan.producers[0] == "p1"  # the guard: p1 would recompute
     assert pulled is not None
-    assert pulled.plan.producers == ("p1", "p0") and pulled.plan.consumers == ("c0",)
-    assert pulled.source.holder == "p0" and pulled.choice.target == "p1"
+    assert pulled.producers == ("p1", "p0") and pulled.consumers == ("c0",)
+    assert pulled.pull.source.holder == "p0" and pulled.pull.target == "p1"
 
 
 def test_holder_that_is_the_best_consumer_can_be_the_source_of_a_producer() -> None:
@@ -91,7 +112,7 @@ def test_holder_that_is_the_best_consumer_can_be_the_source_of_a_producer() -> N
     consumer = NodeState("c0", gpu(200))
     plan, pulled = decide([NodeState("p0")], [consumer], endpoints("p0", "c0"))
     assert plan.producers == ("p0",)
-    assert pulled is not None and pulled.source.holder == "c0" and pulled.choice.blocks == 200
+    assert pulled is not None and pulled.pull.source.holder == "c0" and pulled.pull.blocks == 200
 
 
 def test_idle_holder_is_waited_for_not_pulled_from() -> None:
@@ -107,7 +128,7 @@ def test_moderately_busy_holder_still_wins_when_moving_costs_more() -> None:
     plan, pulled = decide([], [holder, IDLE], endpoints("a", "b"), slow)
     assert plan.consumers[0] == "a" and pulled is None
     plan, pulled = decide([], [holder, IDLE], endpoints("a", "b"))  # 1 GB/s: move it
-    assert pulled is not None and pulled.plan.consumers[0] == "b"
+    assert pulled is not None and pulled.consumers[0] == "b"
 
 
 def test_recompute_wins_over_a_pull_on_a_slow_link() -> None:
@@ -119,12 +140,11 @@ def test_recompute_wins_over_a_pull_on_a_slow_link() -> None:
 def test_no_pull_when_disabled_or_unhashable() -> None:
     off = PULL.model_copy(update={"enabled": False})
     assert decide([], [BUSY_HOLDER, IDLE], endpoints("a", "b"), off)[1] is None
-    plan = plan_route(None, [], [BUSY_HOLDER, IDLE], S)
+    costing = scoring(None, [], [BUSY_HOLDER, IDLE], S)
     eps = endpoints("a", "b")
     unhashable = choose_pull(
-        plan, None, [], [BUSY_HOLDER, IDLE], endpoints=eps, weights=S.weights, settings=PULL,
-        link_bytes_per_s=1e9,
-    )  # fmt: skip
+        pick(costing, S), costing, endpoints=eps, settings=PULL, link_bytes_per_s=1e9
+    )
     assert unhashable is None
 
 
@@ -154,13 +174,13 @@ def test_the_least_loaded_target_gets_the_pull() -> None:
     busy_b = NodeState("b", in_flight=3)
     idle_c = NodeState("c")
     _, pulled = decide([], [BUSY_HOLDER, busy_b, idle_c], endpoints("a", "b", "c"))
-    assert pulled is not None and pulled.plan.consumers[0] == "c"
+    assert pulled is not None and pulled.consumers[0] == "c"
 
 
 def test_guarded_nodes_are_never_targets() -> None:
     other_busy = NodeState("b", in_flight=20)
     _, pulled = decide([], [BUSY_HOLDER, other_busy, NodeState("c")], endpoints("a", "b", "c"))
-    assert pulled is not None and pulled.choice.target == "c"
+    assert pulled is not None and pulled.pull.target == "c"
 
 
 nodes = st.builds(
@@ -189,14 +209,14 @@ def test_a_chosen_pull_always_pays_for_itself(
     plan, pulled = decide([], consumers, eps, settings, prompt)
     if pulled is None:
         return
-    c = pulled.choice
+    c = pulled.pull
     guarded = {s.name for s in plan.consumer_scores if s.guarded}
     assert c.target != c.holder and c.target not in guarded and c.holder not in no_address
     assert c.blocks >= settings.min_blocks
     assert c.holder_blocks * 16 <= prompt.max_cacheable_tokens
     assert c.cost <= c.plan_cost - settings.min_gain_tokens
-    assert pulled.plan.consumers[0] == c.target
-    assert sorted(pulled.plan.consumers) == sorted(plan.consumers)
+    assert pulled.consumers[0] == c.target
+    assert sorted(pulled.consumers) == sorted(plan.consumers)
 
 
 def test_link_speed_follows_measured_pulls() -> None:
@@ -213,15 +233,13 @@ def test_link_speed_follows_measured_pulls() -> None:
 
 def test_planner_counts_pulls_and_exports_the_link_speed() -> None:
     registry = CollectorRegistry()
-    planner = PullPlanner(PULL, S.weights, registry)
-    plan = plan_route(LONG, [], [BUSY_HOLDER, IDLE], S)
-    backends = list(endpoints("a", "b").values())
-    pulled = planner.consider("r1", plan, LONG, [], [BUSY_HOLDER, IDLE], backends=backends)
+    planner = PullScorer(PULL, registry)
+    pulled = consider(planner, "r1", [BUSY_HOLDER, IDLE], endpoints("a", "b"))
     assert pulled is not None
     assert registry.get_sample_value("pdproxy_kv_pulls_total", {"holder": "a"}) == 1
     assert registry.get_sample_value("pdproxy_kv_pull_planned_bytes_total") == 256 * 64 * 1024
     assert registry.get_sample_value("pdproxy_kv_pull_link_bytes_per_second") == 1e9
-    planner.observe(50_000_000, 0.1)
+    planner.measured(50_000_000, 0.1)
     assert registry.get_sample_value("pdproxy_kv_pull_link_bytes_per_second") == 5e8
     assert registry.get_sample_value("pdproxy_kv_pull_measured_bytes_total") == 50_000_000
 
@@ -232,29 +250,27 @@ def test_guarded_holder_that_would_still_be_cheapest_is_pulled_from() -> None:
     holder = NodeState("a", gpu(256), in_flight=10)
     plan, pulled = decide([], [holder, IDLE], endpoints("a", "b"))
     assert plan.consumers[0] == "b" and plan.reason == "hot-spot"
-    assert pulled is not None and pulled.choice.target == "b"
-    assert pulled.choice.wait_cost < pulled.choice.plan_cost
+    assert pulled is not None and pulled.pull.target == "b"
+    assert pulled.pull.wait_cost < pulled.pull.plan_cost
 
 
 def test_pulls_in_flight_from_a_holder_make_it_a_dearer_source() -> None:
     # A slow link: one pull of 256 blocks (16 MiB) costs about 1,700 token equivalents, under
     # the 4,101 of recomputing; two queued ahead of it make a third dearer than recomputing.
     slow = PULL.model_copy(update={"link_bytes_per_s": 8e7})
-    planner = PullPlanner(slow, S.weights, CollectorRegistry())
+    planner = PullScorer(slow, CollectorRegistry())
     consumers = [BUSY_HOLDER, IDLE, NodeState("c"), NodeState("d"), NodeState("e")]
-    backends = list(endpoints("a", "b", "c", "d", "e").values())
-    plan = plan_route(LONG, [], consumers, S)
-    chosen = [
-        planner.consider(f"r{i}", plan, LONG, [], consumers, backends=backends) for i in range(4)
-    ]
+    eps = endpoints("a", "b", "c", "d", "e")
+    chosen = [consider(planner, f"r{i}", consumers, eps) for i in range(4)]
     assert [p is not None for p in chosen] == [True, True, False, False]
     assert planner.sending == {"a": 2 * 256 * 64 * 1024}
     first, second = chosen[0], chosen[1]
     assert first is not None and second is not None
-    assert second.choice.cost > first.choice.cost  # behind the first one's bytes
-    planner.finished("r0")
-    planner.finished("r0")  # once only
+    assert first.pull is not None and second.pull is not None
+    assert second.pull.cost > first.pull.cost  # behind the first one's bytes
+    finish(planner, "r0")
+    finish(planner, "r0")  # once only
     assert planner.sending == {"a": 256 * 64 * 1024}
-    planner.finished("r1")
+    finish(planner, "r1")
     assert planner.sending == {}
-    assert planner.consider("r5", plan, LONG, [], consumers, backends=backends) is not None
+    assert consider(planner, "r5", consumers, eps) is not None

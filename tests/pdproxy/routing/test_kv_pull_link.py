@@ -16,8 +16,9 @@ from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.engine_metrics_text import EngineSample, parse_engine_metrics
 from pdproxy.routing.kv.pull_link import PullCounters, PullMeasurement
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
-from pdproxy.routing.kv.signal_settings import EngineLoadSettings
+from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer
+from pdproxy.routing.kv.scorers.pull import PullScorer
+from pdproxy.routing.kv.settings import EngineLoadSettings, KvRouterSettings
 
 from .kv_helpers import BS, SEED
 from .test_engine_scrape import FakeBackend, RegisteredBackend, Registry, serving
@@ -83,7 +84,7 @@ def test_any_sequence_of_readings_yields_only_sane_measurements(
 
 async def wait_for_reading(router: KvRouter, node: str, pull_bytes: float | None) -> None:
     for _ in range(400):
-        reading = router.signals.readings.latest(node)
+        reading = router.scorer(EngineLoadScorer).readings.latest(node)
         if reading is not None and reading.sample.pull_bytes == pull_bytes:
             return
         await asyncio.sleep(0.02)
@@ -100,7 +101,7 @@ async def test_scraped_pull_counters_teach_the_planner_the_link_speed() -> None:
         )
         registry = Registry([RegisteredBackend("w0", worker.url)])
         router = build_kv_router(settings, backends=registry, metrics_registry=CollectorRegistry())
-        configured = router.pulls.link.bytes_per_s
+        configured = router.scorer(PullScorer).link.bytes_per_s
         assert configured == settings.pull.link_bytes_per_s
         await router.start()
         try:
@@ -108,8 +109,8 @@ async def test_scraped_pull_counters_teach_the_planner_the_link_speed() -> None:
             # 200 MB in 0.5 s of pulls: 4e8 B/s, the first measurement is taken whole.
             worker.body = worker_page("200000000", "0.5")
             await wait_for_reading(router, "w0", 2e8)
-            assert router.pulls.link.samples == 1
-            assert router.pulls.link.bytes_per_s == pytest.approx(4e8)
+            assert router.scorer(PullScorer).link.samples == 1
+            assert router.scorer(PullScorer).link.bytes_per_s == pytest.approx(4e8)
             gauge = router.metrics.registry.get_sample_value(
                 "pdproxy_kv_pull_link_bytes_per_second"
             )
@@ -121,15 +122,16 @@ async def test_scraped_pull_counters_teach_the_planner_the_link_speed() -> None:
             for bad in ("-1", "NaN", "1e300"):
                 worker.body = worker_page(bad, bad)
                 await wait_for_reading(router, "w0", None)
-            assert router.pulls.link.samples == 1
-            assert router.pulls.link.bytes_per_s == pytest.approx(4e8)
+            assert router.scorer(PullScorer).link.samples == 1
+            assert router.scorer(PullScorer).link.bytes_per_s == pytest.approx(4e8)
             # Pulls again (after a fresh baseline): 1e9 B/s folds in with ewma_alpha.
             worker.body = worker_page("1000000", "0.01")
             await wait_for_reading(router, "w0", 1e6)
             worker.body = worker_page("1001000000", "1.01")
             await wait_for_reading(router, "w0", 1.001e9)
             alpha = settings.pull.ewma_alpha
-            assert router.pulls.link.samples == 2
-            assert router.pulls.link.bytes_per_s == pytest.approx(alpha * 1e9 + (1 - alpha) * 4e8)
+            link = router.scorer(PullScorer).link
+            assert link.samples == 2
+            assert link.bytes_per_s == pytest.approx(alpha * 1e9 + (1 - alpha) * 4e8)
         finally:
             await router.close()

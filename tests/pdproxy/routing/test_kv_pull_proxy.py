@@ -10,8 +10,9 @@ from typing import Any
 
 from kvtier.residency.types import NodeId
 from loadtest.fake_backend import FakeBackend
-from pdproxy.routing.kv.load import LoadDelta
 from pdproxy.routing.kv.router import KvRouter
+from pdproxy.routing.kv.scorers.pull import PullScorer
+from pdproxy.routing.kv.state import LoadDelta
 from tests.pdproxy.conftest import (
     FakeFactory,
     ProxyFactory,
@@ -82,7 +83,7 @@ async def test_consumer_alone_pulls_from_the_busy_holder(
     # What the decision charged is released: b is idle again, a is back to its own load.
     assert router.state.local.get("b").in_flight == 0
     assert router.state.local.get("a").in_flight == 20
-    assert router.pulls.sending == {}  # its bytes no longer queue ahead of other pulls
+    assert router.scorer(PullScorer).sending == {}  # its bytes no longer queue ahead of other pulls
 
 
 async def test_free_producer_pulls_then_supplies_the_consumer(

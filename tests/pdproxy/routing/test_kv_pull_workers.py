@@ -13,8 +13,10 @@ import httpx
 import pytest
 
 from loadtest.pull_cluster import PullCluster, pull_cluster
-from pdproxy.routing.kv.load import LoadDelta
-from pdproxy.routing.kv.pull_settings import PullSettings
+from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer
+from pdproxy.routing.kv.scorers.pull import PullScorer
+from pdproxy.routing.kv.settings import PullSettings
+from pdproxy.routing.kv.state import LoadDelta
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +153,7 @@ async def test_the_router_learns_the_link_speed_from_the_pullers_metrics() -> No
     engine_load = {"engine_load": {"enabled": True, "interval_s": 0.05}}
     pull = {**PULL, "min_sample_bytes": 0}  # a sim pull is tens of KB
     async with pull_cluster(pull=pull, router=engine_load) as c:
-        readings = c.router.signals.readings
+        readings = c.router.scorer(EngineLoadScorer).readings
         for _ in range(400):  # the baseline: b scraped before it pulled
             reading = readings.latest("b")
             if reading is not None and reading.sample.pull_bytes == 0:
@@ -159,7 +161,7 @@ async def test_the_router_learns_the_link_speed_from_the_pullers_metrics() -> No
             await asyncio.sleep(0.02)
         else:
             pytest.fail("b's pull counters were never scraped")
-        link = c.router.pulls.link
+        link = c.router.scorer(PullScorer).link
         assert (link.samples, link.bytes_per_s) == (0, PULL_LINK_DEFAULT)
         text = prompt(1024, " question one")
         await warm_holder(c, "a", text)

@@ -18,10 +18,9 @@ from kvtier.residency.types import NodeId
 from pdproxy.errors import NoBackendAvailable
 from pdproxy.routing.base import RequestOutcome, RouteRequest
 from pdproxy.routing.explain_header import route_explain_value
-from pdproxy.routing.kv.load import NodeLoad
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import CostWeights, KvRouterSettings, LocalPrefillThresholds
-from pdproxy.routing.kv.state import LocalState
+from pdproxy.routing.kv.state import LocalState, NodeLoad
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
 from pdproxy.tokenize.base import OffLoopTokenizer
 from pdproxy.tokenize.byte_level import ByteEncoder
@@ -218,15 +217,12 @@ async def test_tokenizer_failure_routes_by_load() -> None:
     assert d.reason == "load-only" and d.explain["unhashable"] == "tokenizer-error"
 
 
-async def test_no_routable_consumer_raises(router: KvRouter) -> None:
-    producers, consumers = pool(1, 2)
-    for c in consumers:
-        c.routable = False
+async def test_no_consumer_raises(router: KvRouter) -> None:
+    # Routable or not is the filter chain's (test_candidates.py): it runs once, before routing.
+    producers, _ = pool(1, 2)
     with pytest.raises(NoBackendAvailable):
-        await router.route(text_request("hi"), producers, consumers)
-    consumers[1].routable = True
-    producers[0].routable = False
-    d = await router.route(text_request(prompt_text(7)), producers, consumers)
+        await router.route(text_request("hi"), producers, [])
+    d = await router.route(text_request(prompt_text(7)), [], pool(0, 2)[1][1:])
     assert [c.name for c in d.consumers] == ["c1"] and d.producers == []
 
 

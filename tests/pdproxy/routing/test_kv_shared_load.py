@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from pdproxy.routing.kv.load import LoadDelta, NodeLoad
 from pdproxy.routing.kv.shared_load import RedisLoad
+from pdproxy.routing.kv.state import LoadDelta, NodeLoad
 
 pytestmark = pytest.mark.redis
 

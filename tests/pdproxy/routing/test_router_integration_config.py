@@ -13,8 +13,7 @@ from kvtier.events import EventPublisher
 from kvtier.residency.types import NodeId
 from pdproxy.cli import build_parser, main, settings_from_args
 from pdproxy.errors import ConfigError
-from pdproxy.routing.factory import EventEndpoints
-from pdproxy.routing.kv.build import build_kv_router
+from pdproxy.routing.kv.build import EventEndpoints, build_kv_router
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.settings import ProxySettings
@@ -35,10 +34,11 @@ def serve_settings(*argv: str) -> ProxySettings:
 def test_index_sets_the_index_url_and_implies_the_kv_router() -> None:
     s = serve_settings("--index", "redis://127.0.0.1:6379/0")
     assert s.router == "kv"
-    assert s.router_options == {"index_url": "redis://127.0.0.1:6379/0"}
+    assert dict(s.router_options) == {"index_url": "redis://127.0.0.1:6379/0"}
     assert serve_settings("--router", "kv", "--index", "rediss://h:1").router == "kv"
     plain = serve_settings()
-    assert plain.router == "round_robin" and "index_url" not in plain.router_options
+    assert plain.router == "round_robin" and "index_url" not in dict(plain.router_options)
+    assert plain.router_options.index_url is None
 
 
 def test_index_merges_into_the_config_files_router_options(tmp_path: Path) -> None:
@@ -50,7 +50,7 @@ def test_index_merges_into_the_config_files_router_options(tmp_path: Path) -> No
     )
     s = serve_settings("--config", str(cfg), "--index", "redis://new:6379/1")
     assert s.router == "kv"  # the flag is the highest-priority source
-    assert s.router_options == {
+    assert dict(s.router_options) == {
         "model_seed": "my-model",
         "block_size": 32,
         "index_url": "redis://new:6379/1",

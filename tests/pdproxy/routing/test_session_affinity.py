@@ -14,10 +14,10 @@ from starlette.datastructures import Headers
 
 from kvtier.residency.types import Match, NodeId
 from pdproxy.routing.base import RequestOutcome, RouteRequest
-from pdproxy.routing.kv.affinity import AffinitySettings, SessionAffinity
-from pdproxy.routing.kv.load import LoadDelta
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.routing.kv.scorers.affinity import AffinityScorer, SessionAffinity, boost
+from pdproxy.routing.kv.settings import AffinitySettings, KvRouterSettings
+from pdproxy.routing.kv.state import LoadDelta
 from pdproxy.routing.session import MAX_SESSION_ID_CHARS, session_of
 
 from .kv_helpers import BS, SEED, pool, prompt_text
@@ -69,11 +69,10 @@ def test_the_table_never_exceeds_its_cap_and_keeps_the_most_recent(
 
 
 def test_boost_credits_the_sticky_node_up_to_the_prompt() -> None:
-    aff = table(Clock())
     matches = {NodeId("c0"): Match(gpu=3, total=3, predicted=3)}
-    assert aff.boost(("c1", 10), matches, 6)[NodeId("c1")] == Match(predicted=6)
+    assert boost(("c1", 10), matches, 6)[NodeId("c1")] == Match(predicted=6)
     # a node that holds more than the session's entry says is left as it is
-    assert aff.boost(("c0", 2), matches, 6)[NodeId("c0")] == matches[NodeId("c0")]
+    assert boost(("c0", 2), matches, 6)[NodeId("c0")] == matches[NodeId("c0")]
 
 
 def test_session_comes_from_the_header_or_the_user_field_scoped_by_key() -> None:
@@ -181,7 +180,7 @@ async def test_affinity_off_ignores_sessions() -> None:
         assert first == "c0"
         r.state.local.apply([LoadDelta("c0", 1, 0)])
         assert await _serve(r, turn(text + " y", "k:x"), consumers) != "c0"
-        assert len(r.affinity) == 0
+        assert len(r.scorer(AffinityScorer).sessions) == 0
     finally:
         await r.close()
 

@@ -3,9 +3,10 @@
 That node holds the conversation's KV. The residency index knows it too once the node's KV
 events arrive; affinity covers the time they do not (events late, lost or disabled, predictions
 expired after ``prediction_ttl_s`` while the user was typing). It works through the cost model,
-not around it: the session's node is credited as *predicting* the session's last prompt
-(``Match.predicted`` raised to those blocks, capped by this prompt's), so a node that really
-holds more still wins and the hot-spot guard still ranks an overloaded sticky node last.
+not around it: the session's node is believed to *predict* the session's last prompt
+(``Match.predicted`` raised to those blocks, capped by this prompt's: :meth:`View.residency`),
+so a node that really holds more still wins and the hot-spot guard still ranks an overloaded
+sticky node last.
 
 The table maps a keyed hash of the session (:mod:`pdproxy.routing.session`; the key is random per
 process, so ids cannot be chosen to collide) to the node and the session's prompt blocks, with a
@@ -28,17 +29,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
-from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.residency.types import Match, NodeId
-
-
-class AffinitySettings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    enabled: bool = Field(default=True, description="requests without a session are unaffected")
-    ttl_s: float = Field(default=600.0, gt=0.0, description="a session forgotten after this idle")
-    max_sessions: int = Field(default=65536, ge=1, description="table cap (LRU eviction)")
+from pdproxy.routing.base import RequestOutcome
+from pdproxy.routing.kv.plan import PromptShape
+from pdproxy.routing.kv.scorers.base import Ask, Made, Over, Scorer, View
+from pdproxy.settings.routing import KvRouterSettings
+from pdproxy.settings.scorers import AffinitySettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,20 +86,6 @@ class SessionAffinity:
             return None
         return entry.node, entry.blocks
 
-    def boost(
-        self, sticky: tuple[str, int] | None, matches: Mapping[NodeId, Match], prompt_blocks: int
-    ) -> dict[NodeId, Match]:
-        """``matches`` with the sticky node credited as predicting the session's prefix."""
-        out = dict(matches)
-        if sticky is None:
-            return out
-        node = NodeId(sticky[0])
-        blocks = min(sticky[1], prompt_blocks)
-        held = out.get(node, Match())
-        if blocks > held.predicted:
-            out[node] = dataclasses.replace(held, predicted=blocks)
-        return out
-
     def chosen(self, sticky: tuple[str, int] | None, first: str) -> None:
         """Count what the decision did with a session's entry."""
         if sticky is None:
@@ -120,3 +103,53 @@ class SessionAffinity:
         while len(self._table) > self._settings.max_sessions:
             self._table.popitem(last=False)
             self.outcomes.labels("evicted").inc()
+
+
+def boost(
+    sticky: tuple[str, int] | None, matches: Mapping[NodeId, Match], prompt_blocks: int
+) -> dict[NodeId, Match]:
+    """``matches`` with the sticky node believed to predict the session's prefix."""
+    out = dict(matches)
+    if sticky is None:
+        return out
+    node = NodeId(sticky[0])
+    blocks = min(sticky[1], prompt_blocks)
+    held = out.get(node, Match())
+    if blocks > held.predicted:
+        out[node] = dataclasses.replace(held, predicted=blocks)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityView(View):
+    sticky: tuple[str, int] | None
+    """The session's node and its last prompt's blocks (None: no session, or no entry)."""
+
+    def residency(
+        self, matches: Mapping[NodeId, Match], prompt: PromptShape
+    ) -> Mapping[NodeId, Match]:
+        if self.sticky is None:
+            return matches
+        return boost(self.sticky, matches, prompt.blocks)
+
+
+class AffinityScorer(Scorer[AffinityView]):
+    name = "affinity"
+
+    def __init__(self, sessions: SessionAffinity) -> None:
+        self.sessions = sessions
+
+    def observe(self, ask: Ask) -> AffinityView:
+        return AffinityView(self.sessions.sticky_node(ask.request.session))
+
+    def record(self, made: Made, view: AffinityView) -> None:
+        if made.request.session is not None:
+            self.sessions.chosen(view.sticky, made.plan.consumers[0])
+
+    def finished(self, over: Over, outcome: RequestOutcome) -> None:
+        if outcome.ok and outcome.consumer is not None:
+            self.sessions.remember(over.session, outcome.consumer, over.blocks)
+
+
+def build(settings: KvRouterSettings, registry: CollectorRegistry) -> AffinityScorer:
+    return AffinityScorer(SessionAffinity(settings.affinity, registry))
