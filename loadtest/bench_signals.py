@@ -36,8 +36,8 @@ from loadtest.signal_sim import SimEngine
 from pdproxy.routing.base import RequestOutcome, Role, RouteRequest
 from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
-from pdproxy.routing.kv.signal_settings import EngineLoadSettings, IndexExactnessSettings
+from pdproxy.settings.routing import KvRouterSettings
+from pdproxy.settings.scorers import EngineLoadSettings, IndexExactnessSettings
 
 SEED = "bench-signals"
 BS = 16

@@ -39,7 +39,7 @@ from kvtier.residency.types import NodeId
 from pdproxy.routing.base import RequestOutcome, Role, RouteRequest
 from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
 
 BLOCK = 16
 TOKENS = 8192

@@ -10,10 +10,9 @@ tokenizer's here, since a router tokenizes its model's prompts. An error names t
 
 from __future__ import annotations
 
-from collections.abc import KeysView
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -200,12 +199,3 @@ class KvRouterSettings(BaseModel):
         over the top-level ones). A section replaces the whole section: ``own`` setting
         ``weights: {gpu_credit: 0.5}`` leaves the other weights at their defaults."""
         return self.model_copy(update={key: getattr(own, key) for key in own.model_fields_set})
-
-    def keys(self) -> KeysView[str]:
-        """The keys the operator set (the options as written)."""
-        return dict.fromkeys(sorted(self.model_fields_set)).keys()
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.model_fields_set:
-            raise KeyError(key)
-        return getattr(self, key)

@@ -6,9 +6,6 @@ routes by load alone, the request is never refused for it.
 
 ``bytes`` (the reference worker's tokenizer), a local Hugging Face ``tokenizer.json`` with its
 chat template, or the backend's ``/tokenize``; build one with
-:func:`pdproxy.tokenize.build.build_tokenizer`.
+:func:`pdproxy.tokenize.build.build_tokenizer` from a
+:class:`~pdproxy.settings.routing.TokenizerSettings` (``router_options.tokenizer``).
 """
-
-from pdproxy.tokenize.settings import TokenizerKind, TokenizerSettings
-
-__all__ = ["TokenizerKind", "TokenizerSettings"]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pdproxy.errors import ConfigError
+from pdproxy.settings.routing import TokenizerKind, TokenizerSettings
 from pdproxy.tokenize.base import OffLoopTokenizer, Tokenizer
 from pdproxy.tokenize.byte_level import ByteEncoder
 from pdproxy.tokenize.hf import HfEncoder
 from pdproxy.tokenize.remote import BackendTokenizer
-from pdproxy.tokenize.settings import TokenizerKind, TokenizerSettings
 
 
 def build_tokenizer(settings: TokenizerSettings, backend_url: str | None = None) -> Tokenizer:

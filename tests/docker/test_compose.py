@@ -15,7 +15,6 @@ import pytest
 from kvtier.worker.__main__ import parse_settings
 from kvtier.worker.settings import WorkerSettings
 from pdproxy.cli import build_parser, settings_from_args
-from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.settings import ProxySettings
 from tests.docker.conftest import ROOT, environment, load_compose
 
@@ -127,7 +126,7 @@ def test_proxy_env_is_valid_and_points_at_the_workers(
         assert backend.dialect == "p2p"
         assert backend.url == f"http://{backend.name}:{worker.port}"
         assert backend.events_endpoint == f"tcp://{backend.name}:5557"
-    router = KvRouterSettings(**settings.router_options)
+    router = settings.router_options
     assert router.index_url is not None and urlparse(router.index_url).hostname == "redis"
     assert router.model_seed == worker.hash_seed and router.block_size == worker.block_size
     assert router.events == {b.name: b.events_endpoint for b in settings.backends}
@@ -142,7 +141,7 @@ def test_worker_model_is_switched_everywhere_by_one_variable(clean_env: pytest.M
     with pytest.MonkeyPatch.context() as env:
         proxy = _proxy_settings(services["proxy"], env)
     assert worker.model == "tiny"
-    assert KvRouterSettings(**proxy.router_options).model_seed == worker.hash_seed
+    assert proxy.router_options.model_seed == worker.hash_seed
     assert environment(services["locust"])["LOCUST_MODEL"] == worker.model_name
 
 

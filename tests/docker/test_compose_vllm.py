@@ -13,7 +13,6 @@ from urllib.parse import urlparse
 import pytest
 
 from pdproxy.cli import build_parser, settings_from_args
-from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.settings import Dialect
 from tests.docker.conftest import environment, load_compose
 
@@ -76,7 +75,7 @@ def test_proxy_runs_the_nixl_dialect_in_front_of_the_engines(
         assert (
             backend.events_endpoint == f"tcp://{backend.name}:{urlparse(events['endpoint']).port}"
         )
-    router = KvRouterSettings(**settings.router_options)
+    router = settings.router_options
     assert router.tokenizer.kind == "backend"
     assert (
         router.tokenizer.url == "http://prefill-0:8100"

@@ -10,7 +10,6 @@ import pytest
 
 from kvtier.worker.__main__ import parse_settings
 from pdproxy.cli import build_parser, settings_from_args
-from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.settings import ProxySettings
 from pdproxy.stack.cli import build_parser as build_up_parser
 from pdproxy.stack.cli import options_from_args
@@ -63,7 +62,7 @@ def test_proxy_config_is_valid_and_wires_every_worker(tmp_path: Path) -> None:
             backend.events_replay_endpoint
         )
         assert backend.role.value == worker.role
-    router = KvRouterSettings(**settings.router_options)
+    router = settings.router_options
     assert router.index_url == "redis://127.0.0.1:6390/0"
     assert router.events == {} and router.replay == {}  # the backends announce their sockets
     assert router.model_seed == f"{plan.model_name}/seed=0" and router.block_size == 16

@@ -5,9 +5,5 @@ Build it with :func:`pdproxy.routing.kv.build.build_kv_router`; the decision is
 the signals :mod:`~pdproxy.routing.kv.scorers`, the state :mod:`~pdproxy.routing.kv.state`
 (Redis: ``shared_*``, ``store_guard``, ``stream_leases``), the I/O that feeds it
 ``event_feeds`` and ``engine_scrape``. Its settings are the proxy's ``router_options``
-(:mod:`pdproxy.settings.routing`), re-exported here and in :mod:`~pdproxy.routing.kv.settings`.
+(:mod:`pdproxy.settings.routing`, :mod:`pdproxy.settings.scorers`).
 """
-
-from pdproxy.routing.kv.settings import CostWeights, KvRouterSettings, LocalPrefillThresholds
-
-__all__ = ["CostWeights", "KvRouterSettings", "LocalPrefillThresholds"]

@@ -23,10 +23,10 @@ from kvtier.residency.memory import MemoryIndex
 from pdproxy.routing.kv.engine_scrape import EngineLoadScraper, ScrapeTarget
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer
-from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.state import LocalState, NodeLoad, RouterState
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
 from pdproxy.settings import parse_router_options
+from pdproxy.settings.routing import KvRouterSettings
 from pdproxy.tokenize.build import build_tokenizer
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from kvtier.errors import InvalidTokensError
 from kvtier.keys import BlockHash, BlockHasher
 from pdproxy.routing.base import RouteRequest
-from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
+from pdproxy.settings.routing import KvRouterSettings
 from pdproxy.tokenize.base import Tokenizer, token_ids
 from pdproxy.tokenize.errors import TokenizationError
 from pdproxy.tokenize.prompt import Unhashable, cache_salt_of, prompt_of

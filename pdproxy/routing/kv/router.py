@@ -43,7 +43,6 @@ from pdproxy.routing.kv.scorers.base import Ask, Made, Over, Scorer, View, overr
 from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer
 from pdproxy.routing.kv.scorers.index_exactness import IndexExactnessScorer
 from pdproxy.routing.kv.scorers.pull import PullScorer
-from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.state import (
     LoadDelta,
     Observation,
@@ -53,6 +52,7 @@ from pdproxy.routing.kv.state import (
     predictions,
 )
 from pdproxy.routing.kv.telemetry import KvRouterMetrics, observe_drift
+from pdproxy.settings.routing import KvRouterSettings
 from pdproxy.tokenize.base import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
 
 
 @pytest.fixture

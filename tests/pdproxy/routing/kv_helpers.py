@@ -13,7 +13,7 @@ from pdproxy.routing.kv.decide import Scoring, pick
 from pdproxy.routing.kv.plan import NodeState, Plan, PromptShape
 from pdproxy.routing.kv.scorers.load import LoadView
 from pdproxy.routing.kv.scorers.prefix import PrefixView
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
 
 SEED = "test-model"
 BS = 16

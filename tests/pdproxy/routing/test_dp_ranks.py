@@ -29,9 +29,9 @@ from pdproxy.routing.dp_router import DpRankMetrics, DpRankRouter
 from pdproxy.routing.factory import build_router, routes_ranks
 from pdproxy.routing.kv.build import RegistryEventSource, build_kv_router
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.simple import LeastLoadedRouter, RoundRobinRouter
 from pdproxy.settings import BackendConfig, BreakerSettings, ProxySettings
+from pdproxy.settings.routing import KvRouterSettings
 
 from .kv_helpers import BS, HASHER, SEED, prompt_text, stored, text_request
 

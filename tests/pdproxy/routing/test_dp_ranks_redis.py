@@ -13,7 +13,7 @@ from pdproxy.fleet.dp_ranks import rank_node
 from pdproxy.routing.base import RequestOutcome, Role
 from pdproxy.routing.dp_router import DpRankRouter
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
 
 from .kv_helpers import BS, HASHER, SEED, prompt_text, stored, text_request
 from .test_dp_ranks import RankedBackend

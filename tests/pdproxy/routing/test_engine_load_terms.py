@@ -18,7 +18,8 @@ from pdproxy.routing.kv.scorers.engine_load import (
     engine_load_tokens,
     external_requests,
 )
-from pdproxy.routing.kv.settings import CostWeights, EngineLoadSettings, KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
+from pdproxy.settings.scorers import CostWeights, EngineLoadSettings
 
 from .kv_helpers import Backend, text_request
 

@@ -16,7 +16,8 @@ from pdproxy.routing.base import Role
 from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.engine_scrape import EngineLoadScraper, ScrapeTarget
 from pdproxy.routing.kv.scorers.engine_load import EngineLoadReadings, EngineLoadScorer
-from pdproxy.routing.kv.settings import EngineLoadSettings, KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
+from pdproxy.settings.scorers import EngineLoadSettings
 
 from .kv_helpers import BS, SEED, Backend, prompt_text, text_request
 

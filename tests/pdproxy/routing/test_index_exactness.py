@@ -11,7 +11,7 @@ from pdproxy.routing.kv.scorers.index_exactness import (
     IndexExactness,
     discounted_match,
 )
-from pdproxy.routing.kv.settings import IndexExactnessSettings
+from pdproxy.settings.scorers import IndexExactnessSettings
 
 SETTINGS = IndexExactnessSettings(silence_s=5.0, settle_s=2.0)
 

@@ -18,9 +18,10 @@ from pdproxy.routing.kv.scorers.index_exactness import (
     IndexExactness,
     IndexExactnessScorer,
 )
-from pdproxy.routing.kv.settings import IndexExactnessSettings, KvRouterSettings
 from pdproxy.routing.kv.state import LocalState
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
+from pdproxy.settings.routing import KvRouterSettings
+from pdproxy.settings.scorers import IndexExactnessSettings
 from pdproxy.tokenize.base import OffLoopTokenizer
 from pdproxy.tokenize.byte_level import ByteEncoder
 

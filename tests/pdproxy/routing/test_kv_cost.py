@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from kvtier.residency.types import Match
 from pdproxy.routing.kv.plan import NodeState, PromptShape, Task
 from pdproxy.routing.kv.scorers.prefix import credit_blocks
-from pdproxy.routing.kv.settings import CostWeights, KvRouterSettings, LocalPrefillThresholds
+from pdproxy.settings.routing import KvRouterSettings, LocalPrefillThresholds
+from pdproxy.settings.scorers import CostWeights
 
 from .kv_helpers import plan_route, scoring
 

@@ -14,7 +14,7 @@ from kvtier.events import AllBlocksCleared, EventBatch, EventPublisher
 from kvtier.residency.types import NodeId
 from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
 
 from .kv_helpers import BS, HASHER, SEED, pool, prompt_text, stored, text_request
 

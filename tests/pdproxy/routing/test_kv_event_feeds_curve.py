@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.events import EventPublisher
 from pdproxy.errors import ConfigError
 from pdproxy.routing.kv.build import build_kv_router
-from pdproxy.routing.kv.settings import EventsCurveSettings, KvRouterSettings
+from pdproxy.settings.routing import EventsCurveSettings, KvRouterSettings
 from tests.kvtier.events.conftest import write_curve_files
 
 from .kv_helpers import BS, SEED, prompt_text, stored

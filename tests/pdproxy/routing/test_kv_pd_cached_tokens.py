@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvtier.residency.types import Match
 from pdproxy.routing.kv.plan import NodeState, PromptShape
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
 
 from .kv_helpers import plan_route
 

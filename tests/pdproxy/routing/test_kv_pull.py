@@ -16,7 +16,8 @@ from pdproxy.routing.kv.plan import NodeState, Plan, PromptShape
 from pdproxy.routing.kv.pull_link import LinkSpeed
 from pdproxy.routing.kv.scorers.base import Ask, Made, Over
 from pdproxy.routing.kv.scorers.pull import PullEndpoint, PullScorer, choose_pull, move_tokens
-from pdproxy.routing.kv.settings import KvRouterSettings, PullSettings
+from pdproxy.settings.routing import KvRouterSettings
+from pdproxy.settings.scorers import PullSettings
 
 from .kv_helpers import scoring
 

@@ -18,7 +18,8 @@ from pdproxy.routing.kv.pull_link import PullCounters, PullMeasurement
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer
 from pdproxy.routing.kv.scorers.pull import PullScorer
-from pdproxy.routing.kv.settings import EngineLoadSettings, KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
+from pdproxy.settings.scorers import EngineLoadSettings
 
 from .kv_helpers import BS, SEED
 from .test_engine_scrape import FakeBackend, RegisteredBackend, Registry, serving

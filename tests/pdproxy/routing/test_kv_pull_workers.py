@@ -15,8 +15,8 @@ import pytest
 from loadtest.pull_cluster import PullCluster, pull_cluster
 from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer
 from pdproxy.routing.kv.scorers.pull import PullScorer
-from pdproxy.routing.kv.settings import PullSettings
 from pdproxy.routing.kv.state import LoadDelta
+from pdproxy.settings.scorers import PullSettings
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,10 @@ from pdproxy.errors import NoBackendAvailable
 from pdproxy.routing.base import RequestOutcome, RouteRequest
 from pdproxy.routing.explain_header import route_explain_value
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import CostWeights, KvRouterSettings, LocalPrefillThresholds
 from pdproxy.routing.kv.state import LocalState, NodeLoad
 from pdproxy.routing.kv.telemetry import KvRouterMetrics
+from pdproxy.settings.routing import KvRouterSettings, LocalPrefillThresholds
+from pdproxy.settings.scorers import CostWeights
 from pdproxy.tokenize.base import OffLoopTokenizer
 from pdproxy.tokenize.byte_level import ByteEncoder
 from pdproxy.tokenize.remote import BackendTokenizer

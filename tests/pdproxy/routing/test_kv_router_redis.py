@@ -14,8 +14,8 @@ from kvtier.events import EventBatch, EventPublisher
 from kvtier.residency.types import NodeId
 from pdproxy.routing.base import RequestOutcome
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.routing.kv.store_guard import BreakerState
+from pdproxy.settings.routing import KvRouterSettings
 from tests.conftest import RedisServer
 from tests.redis_cluster import redis_cluster_url
 

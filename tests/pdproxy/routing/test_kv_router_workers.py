@@ -21,7 +21,7 @@ from kvtier.worker.worker import Worker
 from pdproxy.routing.base import RequestOutcome, Role, RouteDecision, RouteRequest
 from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
 
 from .kv_helpers import Backend, prompt_text
 

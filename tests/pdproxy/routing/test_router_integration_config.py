@@ -15,8 +15,8 @@ from pdproxy.cli import build_parser, main, settings_from_args
 from pdproxy.errors import ConfigError
 from pdproxy.routing.kv.build import EventEndpoints, build_kv_router
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
 from pdproxy.settings import ProxySettings
+from pdproxy.settings.routing import KvRouterSettings
 from tests.pdproxy.conftest import FakeFactory, ProxyFactory, backend_entry, quick_settings
 
 from .kv_helpers import BS, HASHER, SEED, prompt_text, stored

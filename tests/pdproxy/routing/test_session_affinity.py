@@ -16,9 +16,10 @@ from kvtier.residency.types import Match, NodeId
 from pdproxy.routing.base import RequestOutcome, RouteRequest
 from pdproxy.routing.kv.router import KvRouter
 from pdproxy.routing.kv.scorers.affinity import AffinityScorer, SessionAffinity, boost
-from pdproxy.routing.kv.settings import AffinitySettings, KvRouterSettings
 from pdproxy.routing.kv.state import LoadDelta
 from pdproxy.routing.session import MAX_SESSION_ID_CHARS, session_of
+from pdproxy.settings.routing import KvRouterSettings
+from pdproxy.settings.scorers import AffinitySettings
 
 from .kv_helpers import BS, SEED, pool, prompt_text
 from .test_kv_router import make_router

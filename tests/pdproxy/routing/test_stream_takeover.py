@@ -27,7 +27,7 @@ from kvtier.residency.types import Match, NodeId
 from pdproxy.routing.base import RequestOutcome
 from pdproxy.routing.kv.build import build_kv_router
 from pdproxy.routing.kv.router import KvRouter
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
 from tests.pdproxy.conftest import FakeFactory, backend_entry
 from tests.reliability.procs import ProcessGroup
 

@@ -27,7 +27,7 @@ from kvtier.events import EventPublisher
 from kvtier.residency.types import NodeId
 from loadtest.fake_backend import FakeBackend
 from pdproxy.routing.kv.build import build_kv_router
-from pdproxy.routing.kv.settings import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings
 from tests.pdproxy.conftest import FakeFactory, backend_entry
 from tests.reliability.procs import ManagedProcess, ProcessGroup, ProcessStartError
 

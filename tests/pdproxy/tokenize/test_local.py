@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from kvtier.worker.tokenizer import ByteTokenizer
+from pdproxy.settings.routing import TokenizerKind, TokenizerSettings
 from pdproxy.tokenize.base import OffLoopTokenizer, token_ids
 from pdproxy.tokenize.build import build_tokenizer
 from pdproxy.tokenize.byte_level import ByteEncoder
@@ -23,7 +24,6 @@ from pdproxy.tokenize.prompt import (
     prompt_chars,
     prompt_of,
 )
-from pdproxy.tokenize.settings import TokenizerKind, TokenizerSettings
 
 LLAMA3_LIKE = (
     "{{ bos_token }}{% for message in messages %}"

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from pdproxy.settings.routing import TokenizerKind, TokenizerSettings
 from pdproxy.tokenize.build import build_tokenizer
 from pdproxy.tokenize.errors import TokenizerUnavailable
 from pdproxy.tokenize.prompt import ChatPrompt, TextPrompt, prompt_of
-from pdproxy.tokenize.settings import TokenizerKind, TokenizerSettings
 
 
 class FakeEngine:
