@@ -34,10 +34,14 @@ def serve_settings(*argv: str) -> ProxySettings:
 def test_index_sets_the_index_url_and_implies_the_kv_router() -> None:
     s = serve_settings("--index", "redis://127.0.0.1:6379/0")
     assert s.router == "kv"
-    assert dict(s.router_options) == {"index_url": "redis://127.0.0.1:6379/0"}
+    assert s.router_options.model_dump(exclude_unset=True) == {
+        "index_url": "redis://127.0.0.1:6379/0"
+    }
     assert serve_settings("--router", "kv", "--index", "rediss://h:1").router == "kv"
     plain = serve_settings()
-    assert plain.router == "round_robin" and "index_url" not in dict(plain.router_options)
+    assert (
+        plain.router == "round_robin" and "index_url" not in plain.router_options.model_fields_set
+    )
     assert plain.router_options.index_url is None
 
 
@@ -50,7 +54,7 @@ def test_index_merges_into_the_config_files_router_options(tmp_path: Path) -> No
     )
     s = serve_settings("--config", str(cfg), "--index", "redis://new:6379/1")
     assert s.router == "kv"  # the flag is the highest-priority source
-    assert dict(s.router_options) == {
+    assert s.router_options.model_dump(exclude_unset=True) == {
         "model_seed": "my-model",
         "block_size": 32,
         "index_url": "redis://new:6379/1",
