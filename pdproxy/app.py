@@ -6,12 +6,14 @@ The hot routes are plain Starlette routes (no FastAPI dependency solving, no
 Who may connect: any client that reaches the listener. With ``api_keys`` set, the completion
 routes and ``/v1/models`` need a key (trusted keys may also pass ``kv_transfer_params``);
 ``/health``, ``/ready`` and ``/metrics`` are open (bind the listener accordingly); ``/admin``
-needs the admin key and is off without one. What a client can make the proxy do: one
-admitted request at a time per slot (``admission``), bodies bounded in size and read time,
-open connections capped (``admission.max_connections``, enforced by the server: ``pdproxy
-serve`` passes it to uvicorn), upstream legs only to configured backends (and to those DNS
-discovery or authenticated worker registration added: ``pdproxy.fleet.membership``, whose
-registration socket has its own threat model in ``pdproxy/fleet/membership/registration.py``).
+needs the admin key and is off without one (checked before any admin body is read). What a
+client can make the proxy do: one admitted request at a time per slot (``admission``), bodies
+bounded in size and read time, request heads bounded in size and time, connections capped
+while a request is in progress and while waiting for one (enforced by ``pdproxy serve``'s
+protocol: :mod:`pdproxy.front.connections`), upstream legs only to configured backends (and to
+those DNS discovery or authenticated worker registration added: ``pdproxy.fleet.membership``,
+whose registration socket has its own threat model in
+``pdproxy/fleet/membership/registration.py``).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from typing import TYPE_CHECKING
 import orjson
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from pdproxy import __version__
-from pdproxy.admin import AdminApi
+from pdproxy.admin import MAX_ADMIN_BODY_BYTES, AdminApi
 from pdproxy.errors import ClientRequestError, ConfigError
 from pdproxy.fleet.backends import BackendRegistry
 from pdproxy.fleet.health import HealthChecker
@@ -117,6 +120,11 @@ class ProxyState:
             catalog=self.catalog,
             model_admission=self.model_admission,
         )
+        admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+        self.admin = AdminApi(
+            self.registry, admin_key, self.membership,
+            body_read_timeout_s=settings.admission.body_read_timeout_s,
+        )  # fmt: skip
         self.draining = False
 
     def begin_drain(self) -> None:
@@ -167,10 +175,18 @@ class ProxyApp(FastAPI):
                     response = error_response(500, "internal proxy error", code="internal_error")
                 await response(scope, receive, send)
                 return
-        siblings = self.pdproxy_state.siblings
-        if siblings is not None and siblings.is_admin_change_to_share(scope):
-            limit = self.pdproxy_state.settings.admission.max_body_bytes
-            await siblings.share_admin_change(super().__call__, scope, receive, send, limit)
+        state = self.pdproxy_state
+        if state.siblings is not None and state.siblings.is_admin_change_to_share(scope):
+            # The key first: the body of a change to replay is read whole, and only for callers
+            # allowed to make it (one process answers 401 before any body too).
+            refused = state.admin.refusal(Headers(scope=scope))
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+            await state.siblings.share_admin_change(
+                super().__call__, scope, receive, send, max_body=MAX_ADMIN_BODY_BYTES,
+                timeout_s=state.settings.admission.body_read_timeout_s,
+            )  # fmt: skip
             return
         await super().__call__(scope, receive, send)
 
@@ -263,8 +279,7 @@ def create_app(
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/ready", ready, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
-    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
-    app.router.routes.extend(AdminApi(state.registry, admin_key, state.membership).routes())
+    app.router.routes.extend(state.admin.routes())
     return app
 
 

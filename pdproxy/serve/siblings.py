@@ -29,9 +29,12 @@ from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdproxy.front.responses import error_response
+from pdproxy.errors import ClientRequestError
+from pdproxy.front.intake import read_body
+from pdproxy.front.responses import client_error_response
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +95,25 @@ class Siblings:
         )
 
     async def share_admin_change(
-        self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, max_body: int
+        self,
+        app: ASGIApp,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        max_body: int,
+        timeout_s: float,
     ) -> None:
-        """The admin change made here by ``app``, then, when it succeeded, in every sibling."""
+        """The admin change made here by ``app``, then, when it succeeded, in every sibling.
+
+        The caller has checked the admin key already: only then is the body read (at most
+        ``max_body`` bytes within ``timeout_s``), since it is held whole to be replayed."""
         try:
-            body = await _read_body(receive, max_body)
-        except _BodyTooLarge:
-            response = error_response(413, "request body too large", code="body_too_large")
-            await response(scope, receive, send)
+            body = await read_body(receive, max_body, timeout_s)
+        except ClientRequestError as exc:
+            await client_error_response(exc)(scope, receive, send)
             return
-        if body is None:
+        except ClientDisconnect:
             return  # the client left before its request was complete: nothing to change
         status = 0
 
@@ -137,27 +149,6 @@ class Siblings:
         texts += [a[1].decode() for a in answers if a is not None and a[0] == 200]
         missing = sum(1 for a in answers if a is None or a[0] != 200)
         return merge_expositions(texts, missing)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body (None: the client left); raises :class:`_BodyTooLarge`."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 class _Families:
