@@ -28,7 +28,6 @@ from pdproxy.front.intake import bearer_token, read_body
 from pdproxy.front.responses import client_error_response, error_response
 from pdproxy.settings import BackendConfig, validation_error_text
 
-
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 """An admin body is one backend's settings (well under 1 KiB); the client bound
 (``max_body_bytes``, 4 MiB) is for prompts."""
@@ -106,9 +105,7 @@ class AdminApi:
         if (refused := self.refusal(request.headers)) is not None:
             return refused
         try:
-            body = await read_body(
-                request.receive, MAX_ADMIN_BODY_BYTES, self._body_read_timeout_s
-            )
+            body = await read_body(request.receive, MAX_ADMIN_BODY_BYTES, self._body_read_timeout_s)
         except ClientRequestError as exc:
             return client_error_response(exc)
         except ClientDisconnect:

@@ -49,6 +49,7 @@ from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.request.path import RequestPath
 from pdproxy.routing.base import Router
 from pdproxy.routing.factory import build_router
+from pdproxy.serve.metrics_merge import SAMPLES_TYPE, MergedMetrics, samples_json
 from pdproxy.serve.siblings import Siblings
 from pdproxy.settings import Dialect, ProxySettings
 from pdproxy.settings.tracing import OtelSettings
@@ -125,6 +126,14 @@ class ProxyState:
             self.registry, admin_key, self.membership,
             body_read_timeout_s=settings.admission.body_read_timeout_s,
         )  # fmt: skip
+        self.merged_metrics = (
+            MergedMetrics(
+                siblings, self.metrics.registry, max_age_s=settings.metrics_cache_s, clock=clock
+            )
+            if siblings is not None
+            else None
+        )
+        """``/metrics`` over the shared port of a ``serve --workers N`` group."""
         self.draining = False
 
     def begin_drain(self) -> None:
@@ -257,10 +266,13 @@ def create_app(
         return _json({"ready": True})
 
     async def metrics(request: Request) -> Response:
-        own = generate_latest(state.metrics.registry)
-        if siblings is not None and not siblings.is_sibling_request(request.scope.get("server")):
-            own = await siblings.metrics(own)
-        return Response(own, media_type=CONTENT_TYPE_LATEST)
+        if siblings is None or state.merged_metrics is None:
+            return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if not siblings.is_sibling_request(request.scope.get("server")):
+            return Response(await state.merged_metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
+        if request.headers.get("accept") == SAMPLES_TYPE:  # a sibling merging the group's
+            return Response(samples_json(state.metrics.registry), media_type=SAMPLES_TYPE)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)

@@ -169,6 +169,10 @@ class ProxySettings(BaseSettings):
     workers: int = Field(default=0, ge=0)
     """``pdproxy serve`` processes on the one port; 0: one per core (see README, "Several
     processes")."""
+    metrics_cache_s: float = Field(default=1.0, ge=0)
+    """With several processes: how long ``GET /metrics`` answers from its last merge of every
+    process's metrics (one fan-out and merge per interval per process, however often it is
+    scraped; 0: a merge per scrape, concurrent scrapes still share one)."""
     models_cache_s: float = Field(default=5.0, ge=0)
     """How long ``GET /v1/models`` answers from its last fan-out to the backends."""
     server_timing: bool = True

@@ -36,7 +36,7 @@ async def _unkeyed_admin_body(port: int, declared: int, sent: int) -> tuple[floa
     writer.write(
         b"POST /admin/backends HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
         b"Authorization: Bearer not-the-admin-key\r\n"
-        b"Content-Length: %d\r\n\r\n{\"name\": \"" % declared
+        b'Content-Length: %d\r\n\r\n{"name": "' % declared
     )
     got = b""
     piece = b"x" * (64 * 1024)
