@@ -42,6 +42,7 @@ from pdproxy.fleet.health import HealthChecker
 from pdproxy.fleet.membership.service import MembershipService
 from pdproxy.fleet.models import ModelCatalog, ModelLearner, ModelList
 from pdproxy.front.admission import Admission, ModelAdmission, ModelMetrics
+from pdproxy.front.connections import ConnectionGate, ConnectionMetrics
 from pdproxy.front.intake import ENDPOINTS, ClientKeys, Endpoint
 from pdproxy.front.protocol import HotRequest
 from pdproxy.front.responses import client_error_response, error_response
@@ -84,6 +85,9 @@ class ProxyState:
         """The client keys, for the completion routes and ``/v1/models`` alike."""
         self.admission = Admission(settings.admission)
         self.metrics = ProxyMetrics(self.registry, lambda: self.admission.queue_depth)
+        self.connections = ConnectionGate(settings.admission)
+        """Client connections waiting for a request head (used by ``pdproxy serve``'s protocol)."""
+        self.metrics.registry.register(ConnectionMetrics(self.connections))
         self.catalog = ModelCatalog(settings.models, self.registry)
         self.model_admission = ModelAdmission(settings.models)
         self.model_metrics = ModelMetrics(self.metrics.registry, self.model_admission)

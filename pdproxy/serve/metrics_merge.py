@@ -41,7 +41,7 @@ SAMPLES_TYPE = "application/vnd.pdproxy.samples+json"
 """What a sibling's ``/metrics`` answers when asked for it (``Accept``) over its Unix socket."""
 
 ADDITIVE_GAUGES = frozenset(
-    {"pdproxy_backend_in_flight", "pdproxy_queue_depth", "pdproxy_client_connections"}
+    {"pdproxy_backend_in_flight", "pdproxy_queue_depth", "pdproxy_waiting_connections"}
 )
 """Gauges that count per-process things (summed); every other gauge describes a state each
 process sees for itself (breaker, health, index size): the largest value is reported."""

@@ -17,10 +17,10 @@ import pytest
 
 from loadtest.fake_backend import FakeBackend
 
+from .attackers import group_rss
 from .procs import ManagedProcess, ProcessGroup
 from .proxy_client import backend
 from .record import Tally
-from .test_proxy_slot_exhaustion import _group_rss
 
 pytestmark = pytest.mark.slow
 
@@ -74,14 +74,14 @@ async def test_admin_bodies_are_refused_before_they_are_read(
             config["admin_key"] = _ADMIN_KEY
         proxy: ManagedProcess = procs.proxy("proxy", config)
         port = int(proxy.url.rsplit(":", 1)[1])
-        base = _group_rss(proxy)
+        base = group_rss(proxy)
         peak = base
         tasks = [
             asyncio.create_task(_unkeyed_admin_body(port, 4 * _MiB - 4096, 3 * _MiB))
             for _ in range(48)
         ]
         while not all(t.done() for t in tasks):
-            peak = max(peak, _group_rss(proxy))
+            peak = max(peak, group_rss(proxy))
             await asyncio.sleep(0.1)
         results = [t.result() for t in tasks]
     expected = b"HTTP/1.1 401" if admin == "keyed" else b"HTTP/1.1 404"

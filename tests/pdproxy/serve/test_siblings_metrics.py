@@ -92,6 +92,7 @@ def test_admission_limits_are_split_over_the_processes_rounding_up() -> None:
     )
     split = per_process_settings(s, 2).admission
     assert (split.max_concurrent, split.queue_size, split.max_connections) == (3, 0, 2048)
+    assert (split.max_waiting_connections, split.max_waiting_per_source) == (512, 64)
     assert per_process_settings(s, 1) is s
     assert process_count(3) == 3 and process_count(0) >= 1
 
