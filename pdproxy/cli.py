@@ -141,7 +141,6 @@ def serve_process(
         # Connection limits, head deadline and size: the protocol's gate, not limit_concurrency
         # (which counted silent sockets against the cap of requests in progress).
         http=gated_protocol(state.connections),
-        ws="none",  # no WebSocket route: an upgrade would leave the gate's protocol
         access_log=False,
         proxy_headers=False,
         server_header=False,

@@ -92,7 +92,7 @@ async def _served(d: FakeBackend, **admission: Any) -> AsyncIterator[int]:
     port = free_port()
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, loop="none", lifespan="on", log_level="warning",
-        http=gated_protocol(proxy_state(app).connections), ws="none",
+        http=gated_protocol(proxy_state(app).connections),
     )  # fmt: skip
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve())
