@@ -3,6 +3,10 @@
 
 Off unless ``admin_key`` is set. Changes live in memory only: the config file stays the
 source of truth on restart.
+
+Nothing is read of a request before its key is checked (:meth:`AdminApi.refusal`, also called by
+``pdproxy serve --workers N`` before it reads an admin change to replay to the other processes);
+a body is then at most :data:`MAX_ADMIN_BODY_BYTES`, read within ``body_read_timeout_s``.
 """
 
 from __future__ import annotations
@@ -12,16 +16,21 @@ from typing import Any
 
 import orjson
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pdproxy.errors import ConfigError
+from pdproxy.errors import ClientRequestError, ConfigError
 from pdproxy.fleet.backends import Backend, BackendRegistry
 from pdproxy.fleet.membership.service import MembershipService
-from pdproxy.front.intake import bearer_token
-from pdproxy.front.responses import error_response
+from pdproxy.front.intake import bearer_token, read_body
+from pdproxy.front.responses import client_error_response, error_response
 from pdproxy.settings import BackendConfig, validation_error_text
+
+MAX_ADMIN_BODY_BYTES = 64 * 1024
+"""An admin body is one backend's settings (well under 1 KiB); the client bound
+(``max_body_bytes``, 4 MiB) is for prompts."""
 
 
 def backend_state(backend: Backend) -> dict[str, Any]:
@@ -48,10 +57,13 @@ class AdminApi:
         registry: BackendRegistry,
         admin_key: str | None,
         membership: MembershipService | None = None,
+        *,
+        body_read_timeout_s: float = 30.0,
     ) -> None:
         self._registry = registry
         self._key = admin_key
         self._membership = membership
+        self._body_read_timeout_s = body_read_timeout_s
 
     def routes(self) -> list[Route]:
         return [
@@ -63,12 +75,14 @@ class AdminApi:
             Route("/admin/members", self._members, methods=["GET"]),
         ]
 
-    def _refusal(self, request: Request) -> Response | None:
+    def refusal(self, headers: Headers) -> Response | None:
+        """The answer to a request with these headers when it may not use the admin API (404
+        when it is off, 401 without the admin key); None when it may. Reads no body."""
         if self._key is None:
             return error_response(
                 404, "the admin API is disabled (no admin_key)", code="admin_disabled"
             )
-        token = bearer_token(request.headers) or ""
+        token = bearer_token(headers) or ""
         if not hmac.compare_digest(token.encode(), self._key.encode()):
             return error_response(
                 401, "invalid admin key", error_type="invalid_request_error",
@@ -77,21 +91,27 @@ class AdminApi:
         return None
 
     async def _list(self, request: Request) -> Response:
-        if (refused := self._refusal(request)) is not None:
+        if (refused := self.refusal(request.headers)) is not None:
             return refused
         return _json({"backends": [backend_state(b) for b in self._registry.all()]})
 
     async def _members(self, request: Request) -> Response:
-        if (refused := self._refusal(request)) is not None:
+        if (refused := self.refusal(request.headers)) is not None:
             return refused
         members = self._membership.view() if self._membership is not None else []
         return _json({"members": members})
 
     async def _add(self, request: Request) -> Response:
-        if (refused := self._refusal(request)) is not None:
+        if (refused := self.refusal(request.headers)) is not None:
             return refused
         try:
-            config = BackendConfig.model_validate_json(await request.body())
+            body = await read_body(request.receive, MAX_ADMIN_BODY_BYTES, self._body_read_timeout_s)
+        except ClientRequestError as exc:
+            return client_error_response(exc)
+        except ClientDisconnect:
+            return error_response(400, "the client left", code="client_disconnected")
+        try:
+            config = BackendConfig.model_validate_json(body)
             backend = self._registry.add(config)
         except ValidationError as exc:
             return error_response(
@@ -115,7 +135,7 @@ class AdminApi:
         return backend
 
     async def _remove(self, request: Request) -> Response:
-        if (refused := self._refusal(request)) is not None:
+        if (refused := self.refusal(request.headers)) is not None:
             return refused
         found = self._named(request)
         if isinstance(found, Response):
@@ -130,7 +150,7 @@ class AdminApi:
         return await self._set_draining(request, False)
 
     async def _set_draining(self, request: Request, draining: bool) -> Response:
-        if (refused := self._refusal(request)) is not None:
+        if (refused := self.refusal(request.headers)) is not None:
             return refused
         found = self._named(request)
         if isinstance(found, Response):

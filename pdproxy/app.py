@@ -6,12 +6,14 @@ The hot routes are plain Starlette routes (no FastAPI dependency solving, no
 Who may connect: any client that reaches the listener. With ``api_keys`` set, the completion
 routes and ``/v1/models`` need a key (trusted keys may also pass ``kv_transfer_params``);
 ``/health``, ``/ready`` and ``/metrics`` are open (bind the listener accordingly); ``/admin``
-needs the admin key and is off without one. What a client can make the proxy do: one
-admitted request at a time per slot (``admission``), bodies bounded in size and read time,
-open connections capped (``admission.max_connections``, enforced by the server: ``pdproxy
-serve`` passes it to uvicorn), upstream legs only to configured backends (and to those DNS
-discovery or authenticated worker registration added: ``pdproxy.fleet.membership``, whose
-registration socket has its own threat model in ``pdproxy/fleet/membership/registration.py``).
+needs the admin key and is off without one (checked before any admin body is read). What a
+client can make the proxy do: one admitted request at a time per slot (``admission``), bodies
+bounded in size and read time, request heads bounded in size and time, connections capped
+while a request is in progress and while waiting for one (enforced by ``pdproxy serve``'s
+protocol: :mod:`pdproxy.front.connections`), upstream legs only to configured backends (and to
+those DNS discovery or authenticated worker registration added: ``pdproxy.fleet.membership``,
+whose registration socket has its own threat model in
+``pdproxy/fleet/membership/registration.py``).
 """
 
 from __future__ import annotations
@@ -26,19 +28,21 @@ from typing import TYPE_CHECKING
 import orjson
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from pdproxy import __version__
-from pdproxy.admin import AdminApi
+from pdproxy.admin import MAX_ADMIN_BODY_BYTES, AdminApi
 from pdproxy.errors import ClientRequestError, ConfigError
 from pdproxy.fleet.backends import BackendRegistry
 from pdproxy.fleet.health import HealthChecker
 from pdproxy.fleet.membership.service import MembershipService
 from pdproxy.fleet.models import ModelCatalog, ModelLearner, ModelList
 from pdproxy.front.admission import Admission, ModelAdmission, ModelMetrics
+from pdproxy.front.connections import ConnectionGate, ConnectionMetrics
 from pdproxy.front.intake import ENDPOINTS, ClientKeys, Endpoint
 from pdproxy.front.protocol import HotRequest
 from pdproxy.front.responses import client_error_response, error_response
@@ -46,6 +50,7 @@ from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.request.path import RequestPath
 from pdproxy.routing.base import Router
 from pdproxy.routing.factory import build_router
+from pdproxy.serve.metrics_merge import SAMPLES_TYPE, MergedMetrics, samples_json
 from pdproxy.serve.siblings import Siblings
 from pdproxy.settings import Dialect, ProxySettings
 from pdproxy.settings.tracing import OtelSettings
@@ -80,6 +85,9 @@ class ProxyState:
         """The client keys, for the completion routes and ``/v1/models`` alike."""
         self.admission = Admission(settings.admission)
         self.metrics = ProxyMetrics(self.registry, lambda: self.admission.queue_depth)
+        self.connections = ConnectionGate(settings.admission)
+        """Client connections waiting for a request head (used by ``pdproxy serve``'s protocol)."""
+        self.metrics.registry.register(ConnectionMetrics(self.connections))
         self.catalog = ModelCatalog(settings.models, self.registry)
         self.model_admission = ModelAdmission(settings.models)
         self.model_metrics = ModelMetrics(self.metrics.registry, self.model_admission)
@@ -117,6 +125,19 @@ class ProxyState:
             catalog=self.catalog,
             model_admission=self.model_admission,
         )
+        admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+        self.admin = AdminApi(
+            self.registry, admin_key, self.membership,
+            body_read_timeout_s=settings.admission.body_read_timeout_s,
+        )  # fmt: skip
+        self.merged_metrics = (
+            MergedMetrics(
+                siblings, self.metrics.registry, max_age_s=settings.metrics_cache_s, clock=clock
+            )
+            if siblings is not None
+            else None
+        )
+        """``/metrics`` over the shared port of a ``serve --workers N`` group."""
         self.draining = False
 
     def begin_drain(self) -> None:
@@ -167,10 +188,18 @@ class ProxyApp(FastAPI):
                     response = error_response(500, "internal proxy error", code="internal_error")
                 await response(scope, receive, send)
                 return
-        siblings = self.pdproxy_state.siblings
-        if siblings is not None and siblings.is_admin_change_to_share(scope):
-            limit = self.pdproxy_state.settings.admission.max_body_bytes
-            await siblings.share_admin_change(super().__call__, scope, receive, send, limit)
+        state = self.pdproxy_state
+        if state.siblings is not None and state.siblings.is_admin_change_to_share(scope):
+            # The key first: the body of a change to replay is read whole, and only for callers
+            # allowed to make it (one process answers 401 before any body too).
+            refused = state.admin.refusal(Headers(scope=scope))
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+            await state.siblings.share_admin_change(
+                super().__call__, scope, receive, send, max_body=MAX_ADMIN_BODY_BYTES,
+                timeout_s=state.settings.admission.body_read_timeout_s,
+            )  # fmt: skip
             return
         await super().__call__(scope, receive, send)
 
@@ -241,10 +270,13 @@ def create_app(
         return _json({"ready": True})
 
     async def metrics(request: Request) -> Response:
-        own = generate_latest(state.metrics.registry)
-        if siblings is not None and not siblings.is_sibling_request(request.scope.get("server")):
-            own = await siblings.metrics(own)
-        return Response(own, media_type=CONTENT_TYPE_LATEST)
+        if siblings is None or state.merged_metrics is None:
+            return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if not siblings.is_sibling_request(request.scope.get("server")):
+            return Response(await state.merged_metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
+        if request.headers.get("accept") == SAMPLES_TYPE:  # a sibling merging the group's
+            return Response(samples_json(state.metrics.registry), media_type=SAMPLES_TYPE)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -263,8 +295,7 @@ def create_app(
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/ready", ready, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
-    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
-    app.router.routes.extend(AdminApi(state.registry, admin_key, state.membership).routes())
+    app.router.routes.extend(state.admin.routes())
     return app
 
 

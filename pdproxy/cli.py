@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from pdproxy.app import ProxyState, create_app, proxy_state
 from pdproxy.errors import ConfigError
-from pdproxy.front.protocol import ProxyHttpProtocol
+from pdproxy.front.protocol import gated_protocol
 from pdproxy.serve.process_group import ProcessGroup, process_count
 from pdproxy.serve.siblings import Siblings
 from pdproxy.settings import ProxySettings, validation_error_text
@@ -132,21 +132,23 @@ def serve_process(
 ) -> None:
     """One proxy process under uvicorn: on ``settings.host:port``, or on ``sockets``."""
     app = create_app(settings, siblings=siblings)
+    state = proxy_state(app)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http=ProxyHttpProtocol,
+        # Connection limits, head deadline and size: the protocol's gate, not limit_concurrency
+        # (which counted silent sockets against the cap of requests in progress).
+        http=gated_protocol(state.connections),
         access_log=False,
         proxy_headers=False,
         server_header=False,
         log_level=settings.log_level,
         timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
-        limit_concurrency=settings.admission.max_connections,
         lifespan="on",
     )
-    DrainingServer(config, proxy_state(app)).run(sockets=sockets)
+    DrainingServer(config, state).run(sockets=sockets)
 
 
 def _serve(args: argparse.Namespace) -> int:

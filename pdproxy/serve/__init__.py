@@ -6,5 +6,6 @@ Rule 2: what must be seen as one (metrics, admin changes) goes over the siblings
 Unix sockets, authenticated, off the request path.
 
 :mod:`~pdproxy.serve.process_group` (bind, fork, supervise),
-:mod:`~pdproxy.serve.siblings` (fan-out between processes).
+:mod:`~pdproxy.serve.siblings` (fan-out between processes),
+:mod:`~pdproxy.serve.metrics_merge` (one ``/metrics`` for the group, merged at most once a second).
 """

@@ -62,6 +62,8 @@ def per_process_settings(settings: ProxySettings, count: int) -> ProxySettings:
             "max_concurrent": math.ceil(a.max_concurrent / count),
             "queue_size": math.ceil(a.queue_size / count),
             "max_connections": math.ceil(a.max_connections / count),
+            "max_waiting_connections": math.ceil(a.max_waiting_connections / count),
+            "max_waiting_per_source": math.ceil(a.max_waiting_per_source / count),
         }
     )
     return settings.model_copy(update={"admission": admission})

@@ -3,9 +3,9 @@
 Each process serves its app on a private Unix socket as well as on the shared port
 (:mod:`pdproxy.serve.process_group`). Over it, and only over it, a process answers as itself alone:
 
-- ``GET /metrics`` over the shared port collects every sibling's own ``/metrics`` over their
-  Unix sockets and answers the sum (:func:`merge_expositions`), so a scrape sees the proxy as a
-  whole whichever process it reaches;
+- ``GET /metrics`` over the shared port collects every sibling's own metrics over their
+  Unix sockets and answers the sum (:mod:`pdproxy.serve.metrics_merge`), so a scrape sees the
+  proxy as a whole whichever process it reaches;
 - an admin change (``POST``/``DELETE`` under ``/admin/``) that succeeds over the shared port is
   replayed, with the same authorization, to every sibling, so all processes route alike.
 
@@ -19,27 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from prometheus_client import generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdproxy.front.responses import error_response
+from pdproxy.errors import ClientRequestError
+from pdproxy.front.intake import read_body
+from pdproxy.front.responses import client_error_response
 
 log = logging.getLogger(__name__)
 
 _TIMEOUT = aiohttp.ClientTimeout(total=5.0)
-
-ADDITIVE_GAUGES = frozenset({"pdproxy_backend_in_flight", "pdproxy_queue_depth"})
-"""Gauges that count per-process things (summed); every other gauge describes a state each
-process sees for itself (breaker, health, index size): the largest value is reported."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +85,25 @@ class Siblings:
         )
 
     async def share_admin_change(
-        self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, max_body: int
+        self,
+        app: ASGIApp,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        max_body: int,
+        timeout_s: float,
     ) -> None:
-        """The admin change made here by ``app``, then, when it succeeded, in every sibling."""
+        """The admin change made here by ``app``, then, when it succeeded, in every sibling.
+
+        The caller has checked the admin key already: only then is the body read (at most
+        ``max_body`` bytes within ``timeout_s``), since it is held whole to be replayed."""
         try:
-            body = await _read_body(receive, max_body)
-        except _BodyTooLarge:
-            response = error_response(413, "request body too large", code="body_too_large")
-            await response(scope, receive, send)
+            body = await read_body(receive, max_body, timeout_s)
+        except ClientRequestError as exc:
+            await client_error_response(exc)(scope, receive, send)
             return
-        if body is None:
+        except ClientDisconnect:
             return  # the client left before its request was complete: nothing to change
         status = 0
 
@@ -130,79 +132,3 @@ class Siblings:
                     "an admin change did not reach every proxy process: %s %s",
                     scope["method"], scope["path"],
                 )  # fmt: skip
-
-    async def metrics(self, own: bytes) -> bytes:
-        answers = await self.fan_out("GET", "/metrics", {})
-        texts = [own.decode()]
-        texts += [a[1].decode() for a in answers if a is not None and a[0] == 200]
-        missing = sum(1 for a in answers if a is None or a[0] != 200)
-        return merge_expositions(texts, missing)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body (None: the client left); raises :class:`_BodyTooLarge`."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-class _Families:
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self._families = list(families)
-
-    def collect(self) -> Iterable[Metric]:
-        return self._families
-
-
-def merge_expositions(texts: list[str], missing: int = 0) -> bytes:
-    """Prometheus text expositions of the processes, merged: counters, histograms and the
-    :data:`ADDITIVE_GAUGES` summed per label set, other gauges the maximum, ``_created`` the
-    earliest. Adds ``pdproxy_proxy_processes`` (answered) and ``..._unreachable``."""
-    merged: dict[str, Metric] = {}
-    values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            out = merged.setdefault(
-                family.name, Metric(family.name, family.documentation, family.type, family.unit)
-            )
-            for s in family.samples:
-                key = (family.name, s.name, tuple(sorted(s.labels.items())))
-                old = values.get(key)
-                if old is None:
-                    values[key] = s.value
-                elif s.name.endswith("_created"):
-                    values[key] = min(old, s.value)
-                elif family.type == "gauge" and family.name not in ADDITIVE_GAUGES:
-                    values[key] = max(old, s.value)
-                else:
-                    values[key] = old + s.value
-                if old is None:
-                    out.samples.append(Sample(s.name, dict(s.labels), math.nan))
-    for family in merged.values():
-        family.samples = [
-            s._replace(value=values[(family.name, s.name, tuple(sorted(s.labels.items())))])
-            for s in family.samples
-        ]
-    up = Metric("pdproxy_proxy_processes", "Proxy processes whose metrics are included", "gauge")
-    up.add_sample("pdproxy_proxy_processes", {}, float(len(texts)))
-    lost = Metric(
-        "pdproxy_proxy_processes_unreachable",
-        "Proxy processes that did not answer this scrape",
-        "gauge",
-    )
-    lost.add_sample("pdproxy_proxy_processes_unreachable", {}, float(missing))
-    return generate_latest(_Families([*merged.values(), up, lost]))

@@ -69,7 +69,23 @@ class AdmissionSettings(BaseModel):
     """Longest time to receive a whole body (4 MiB in 30 s is ~140 KB/s): a slow sender is
     answered 408 and its connection closed, freeing the slot."""
     max_connections: int = Field(default=4096, ge=1)
-    """Open client connections (uvicorn's ``limit_concurrency``): beyond it, 503 at once."""
+    """Client requests in progress (a complete head received, the answer not finished): beyond
+    it, 503 at once. Connections waiting for a head do not count: see ``head_timeout_s`` and
+    ``max_waiting_connections``."""
+    head_timeout_s: float = Field(default=5.0, gt=0)
+    """A connection must send a complete request head within this long of opening, or of its
+    previous answer (so it also bounds keep-alive idleness, as uvicorn's 5 s timeout does);
+    otherwise it is closed (408 when it had sent part of one)."""
+    max_head_bytes: int = Field(default=64 * 1024, ge=1024)
+    """Longest request head (request line and headers): past it, 431 and the connection closed
+    (the server would otherwise buffer an endless head)."""
+    max_waiting_connections: int = Field(default=1024, ge=1)
+    """Connections open without a request in progress (just accepted, sending a head, or kept
+    alive between requests); one more closes the oldest of them."""
+    max_waiting_per_source: int = Field(default=128, ge=0)
+    """Waiting connections per client address; one more closes that address's oldest. Behind a
+    load balancer all clients share its address: set at least the balancer's idle connection
+    pool to this proxy, or 0 (no per-source cap)."""
 
 
 class FailoverSettings(BaseModel):
@@ -184,6 +200,10 @@ class ProxySettings(BaseSettings):
     workers: int = Field(default=0, ge=0)
     """``pdproxy serve`` processes on the one port; 0: one per core (see README, "Several
     processes")."""
+    metrics_cache_s: float = Field(default=1.0, ge=0)
+    """With several processes: how long ``GET /metrics`` answers from its last merge of every
+    process's metrics (one fan-out and merge per interval per process, however often it is
+    scraped; 0: a merge per scrape, concurrent scrapes still share one)."""
     models_cache_s: float = Field(default=5.0, ge=0)
     """How long ``GET /v1/models`` answers from its last fan-out to the backends."""
     server_timing: bool = True

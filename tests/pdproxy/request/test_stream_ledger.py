@@ -3,6 +3,7 @@ continuation body and which requests may migrate."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -36,6 +37,22 @@ def test_any_chunking_yields_the_same_whole_events(cuts: list[int]) -> None:
     out += splitter.feed(stream[pos:])
     assert out == EVENTS
     assert not splitter.partial
+
+
+def test_a_long_event_in_small_pieces_is_scanned_once() -> None:
+    """A consumer sending one near-cap event 1 KiB at a time: each read scans its new bytes
+    only (issue 30 finding 10; the whole pending event was rescanned per read: ~3.7 s of CPU
+    for 4.5 MiB, against ~0.02 s now). CPU time, with a bound ~30x above the linear cost."""
+    event = b"data: " + b"x" * (MAX_EVENT_BYTES - 1024) + b"\n\n"
+    pieces = [event[i : i + 1024] for i in range(0, len(event), 1024)]
+    splitter = EventSplitter()
+    started = time.process_time()
+    out: list[bytes] = []
+    for piece in pieces:
+        out += splitter.feed(piece)
+    spent = time.process_time() - started
+    assert out == [event]
+    assert spent < 0.75, f"{spent:.2f} s of CPU to split one {len(event)}-byte event"
 
 
 def test_an_endless_event_is_not_followed() -> None:
