@@ -6,8 +6,11 @@ measured while the same listener demonstrably registers the worker. Rules (threa
 
 - no key, or a key the proxy does not admit: nothing is registered, drained or replaced;
 - a message over the size cap: the connection is dropped, nothing is decoded;
-- an admitted key may announce only its own address, never a configured backend's name or
-  another key's backend, and not past the registrant cap or the message rates.
+- an admitted key may announce only its own address, never a configured backend's name, a DNS
+  group's (future) name or another key's backend, and not past the registrant cap, the model
+  caps or the message rates;
+- a sender is its key, not the routing id it chose; the operator's removal or drain sticks; a
+  deleted key is out without a restart.
 """
 
 from __future__ import annotations
