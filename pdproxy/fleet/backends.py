@@ -35,9 +35,13 @@ class ModelSet:
     names: frozenset[str]
     adapters: tuple[tuple[str, str], ...]
     """(adapter, base) pairs, sorted."""
+    listed: tuple[str, ...]
+    """``names`` in the order the backend listed them (which of them fit a budget)."""
 
     def __init__(self, names: Iterable[str], parents: dict[str, str]) -> None:
-        object.__setattr__(self, "names", frozenset(names))
+        listed = tuple(dict.fromkeys(names))
+        object.__setattr__(self, "names", frozenset(listed))
+        object.__setattr__(self, "listed", listed)
         pairs = sorted((a, b) for a, b in parents.items() if a in self.names)
         object.__setattr__(self, "adapters", tuple(pairs))
 
@@ -149,12 +153,16 @@ class BackendRegistry:
         self._breaker_settings = breaker_settings
         self._clock = clock
         self._backends: dict[str, Backend] = {}
+        self.version = 0
+        """Moves on every add and remove: what is derived from the set of backends (the model
+        catalog's known models) is recomputed when it has moved."""
 
     def add(self, config: BackendConfig) -> Backend:
         if config.name in self._backends:
             raise ConfigError(f"backend {config.name!r} already exists")
         backend = Backend(config, CircuitBreaker(self._breaker_settings, self._clock))
         self._backends[config.name] = backend
+        self.version += 1
         return backend
 
     def remove(self, name: str) -> Backend:
@@ -162,6 +170,7 @@ class BackendRegistry:
         if backend is None:
             raise KeyError(name)
         backend.removed = True
+        self.version += 1
         return backend
 
     def get(self, name: str) -> Backend | None:

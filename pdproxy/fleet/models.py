@@ -1,20 +1,33 @@
 """Which models the proxy knows, what a request's ``model`` resolves to, and learning models
 from backends.
 
-A model is known when the operator names it (``models.served``, a backend's ``models``) or a
-backend's ``/v1/models`` lists it (vLLM lists loaded LoRA adapters there too, with their base
-model as ``parent``). A request naming a model nobody serves gets OpenAI's 404
-``model_not_found``, unless a backend whose list is not known yet could serve it.
+A model is *configured* when the operator names it (``models.served``, the ``models`` of a
+backend in the config) and *learned* when a backend lists it: its ``/v1/models`` (vLLM lists
+loaded LoRA adapters there too, with their base model as ``parent``), or the ``models`` of a
+backend that joined later (a registered worker's announcement, DNS, the admin API). A request
+naming a model nobody serves gets OpenAI's 404 ``model_not_found``, unless a backend whose list
+is not known yet could serve it.
 
-Metric labels and per-model routers exist only for known models, at most ``models.max_learned``
-names learned from backends on top of the configured ones: a client can never create a label or
-a router by choosing a string.
+Metric labels, per-model routers and per-model admission buckets exist only for known models,
+so they are bounded by the catalog, never by clients or backends:
+
+- at most ``models.max_learned`` learned names in all, at most ``models.max_learned_per_backend``
+  of them from one backend (one backend listing junk cannot crowd out another's new adapter);
+  a backend's names past either budget are not routed to it when learned from ``/v1/models``,
+  and get the ``other`` label when they come with its config;
+- a learned name that no backend lists any more is *forgotten*: it leaves :meth:`known`, and
+  every callback given to :meth:`ModelCatalog.on_forget` hears of it, so that what was built for
+  it (a router, an admission bucket, metric series) can be dropped. Configured names are never
+  forgotten.
 
 ``GET /v1/models``: the union of the model lists of all routable backends, cached briefly.
 
 Behind the client key when keys are configured (the app checks it). Without the cache every
 call would fan out to every backend: a cheap way to load them all. One fan-out at a time serves
 every caller that arrives while it runs; its answer is reused for ``cache_s``.
+
+A backend's ``/v1/models`` answer is untrusted input: one larger than ``models.max_list_bytes``
+is not parsed, and a large one is parsed on a worker thread, not on the event loop.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +49,14 @@ from pdproxy.upstream.client import Upstream
 log = logging.getLogger(__name__)
 
 OTHER_LABEL = "other"
-"""The metric label of a request whose model is not known (served by a backend with no list)."""
+"""The metric label of a request whose model is not known (served by a backend with no list,
+or past the learned budgets)."""
+DEFAULT_MAX_LIST_BYTES = ModelsSettings.model_fields["max_list_bytes"].default
+_INLINE_PARSE_BYTES = 64 * 1024
+"""Answers up to this size are parsed on the loop (well under a millisecond); larger ones on a
+worker thread."""
+
+ForgetCallback = Callable[[tuple[str, ...]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +67,8 @@ class ModelRef:
     base: str | None = None
     """Its base model when it is a LoRA adapter."""
     known: bool = True
-    """False: no backend lists it, but backends whose list is unknown may serve it."""
+    """False: not a known model (no backend lists it but backends whose list is unknown may
+    serve it, or it is past the learned budgets): it gets the ``other`` label."""
     load_on_demand: bool = False
 
     @property
@@ -55,27 +77,46 @@ class ModelRef:
 
 
 class ModelCatalog:
+    """The known models. Runs on the event loop only; :meth:`resolve` is on every request.
+
+    The backends in the registry when the catalog is made are the configured ones: their
+    ``models`` are configured names. Whatever changes the registry later (membership, the
+    admin API) moves ``BackendRegistry.version``: the learned names are recounted on the next
+    read (:meth:`known`, :meth:`resolve`, :meth:`learn`)."""
+
     def __init__(self, settings: ModelsSettings, registry: BackendRegistry) -> None:
         self._settings = settings
         self._registry = registry
+        names = dict.fromkeys(settings.served)
+        for backend in registry.all():
+            names.update(dict.fromkeys(backend.config.models))
+        self._configured = tuple(names)
+        self._configured_set = frozenset(names)
         self._learned: dict[str, None] = {}
         """Names learned from backends, in the order first seen (bounded)."""
+        self._version = registry.version
+        self._on_forget: list[ForgetCallback] = []
 
     @property
     def settings(self) -> ModelsSettings:
         return self._settings
 
     def configured(self) -> list[str]:
-        """Models named in the configuration (``models.served`` and backends' ``models``)."""
-        names = dict.fromkeys(self._settings.served)
-        for backend in self._registry.all():
-            names.update(dict.fromkeys(backend.config.models))
-        return list(names)
+        """Models named in the configuration (``models.served`` and the configured backends'
+        ``models``); never forgotten."""
+        return list(self._configured)
 
     def known(self) -> list[str]:
-        names = dict.fromkeys(self.configured())
-        names.update(self._learned)
-        return list(names)
+        """The configured models, then the learned ones still listed by some backend."""
+        self._refresh()
+        return [*self._configured, *self._learned]
+
+    def on_forget(self, callback: ForgetCallback) -> None:
+        """Call ``callback(names)`` with the learned names no backend lists any more, each time
+        some are forgotten. Called on the event loop, synchronously from whichever read
+        noticed (often :meth:`resolve`, on a request's path): it must not block or raise; it
+        may schedule work (closing a router) but not await it."""
+        self._on_forget.append(callback)
 
     def base_of(self, model: str) -> str | None:
         config = self._settings.served.get(model)
@@ -96,13 +137,16 @@ class ModelCatalog:
             return None
         if not isinstance(model, str):
             raise ClientRequestError(400, "model must be a string", code="invalid_model")
+        self._refresh()
         backends = self._registry.all()
         listed = any(b.models is not None and model in b.models.names for b in backends)
         config = self._settings.served.get(model)
         if listed or config is not None:
+            known = model in self._configured_set or model in self._learned
             return ModelRef(
                 model,
                 base=self.base_of(model),
+                known=known,
                 load_on_demand=config is not None and config.load_on_demand,
             )
         if any(b.models is None for b in backends):
@@ -110,30 +154,75 @@ class ModelCatalog:
         raise ModelNotFound(model)
 
     def learn(self, backend: Backend, data: list[dict[str, Any]]) -> None:
-        """Take a backend's ``/v1/models`` entries (``id``, vLLM's ``parent`` for adapters)."""
+        """Take a backend's ``/v1/models`` entries (``id``, vLLM's ``parent`` for adapters).
+        A backend with configured ``models`` keeps them (nothing is learned from it)."""
+        if backend.config.models:
+            return
+        self._refresh()
         names: list[str] = []
+        seen: set[str] = set()
         parents: dict[str, str] = {}
-        dropped = 0
+        over_backend = 0
+        learned = 0
         for entry in data:
             name = entry.get("id")
-            if not isinstance(name, str) or not _valid(name):
+            if not isinstance(name, str) or name in seen or not _valid(name):
                 continue
-            if name not in self._learned and name not in self._settings.served:
-                if len(self._learned) >= self._settings.max_learned:
-                    dropped += 1
+            seen.add(name)
+            if name not in self._configured_set:
+                if learned >= self._settings.max_learned_per_backend:
+                    over_backend += 1
                     continue
-                self._learned[name] = None
+                learned += 1
             names.append(name)
             parent = entry.get("parent")
             if isinstance(parent, str) and _valid(parent) and parent != name:
                 parents[name] = parent
-        if dropped:
+        before = backend.models
+        backend.learn_models(tuple(names), parents)
+        self._recount()  # which of its new names fit the global budget
+        kept = tuple(n for n in names if n in self._configured_set or n in self._learned)
+        backend.learn_models(kept, parents)
+        over_all = len(names) - len(kept)
+        if over_backend or over_all:
             log.warning(
-                "backend %s: %d models past models.max_learned (%d) are not routed to it",
-                backend.name, dropped, self._settings.max_learned,
+                "backend %s: %d models past models.max_learned_per_backend (%d) and %d past "
+                "models.max_learned (%d) are not routed to it",
+                backend.name, over_backend, self._settings.max_learned_per_backend, over_all,
+                self._settings.max_learned,
             )  # fmt: skip
-        if backend.learn_models(tuple(names), parents):
-            log.info("backend %s serves %s", backend.name, ", ".join(sorted(names)) or "nothing")
+        if backend.models != before:
+            log.info("backend %s serves %s", backend.name, ", ".join(sorted(kept)) or "nothing")
+
+    def _refresh(self) -> None:
+        if self._registry.version != self._version:
+            self._recount()
+
+    def _recount(self) -> None:
+        """Learned names := those some backend lists now, within both budgets; earlier names
+        keep their place, new ones join in backend order while there is room."""
+        self._version = self._registry.version
+        per_backend = self._settings.max_learned_per_backend
+        listed: dict[str, None] = {}
+        for backend in self._registry.all():
+            if backend.models is None:
+                continue
+            own = [n for n in backend.models.listed if n not in self._configured_set]
+            listed.update(dict.fromkeys(own[:per_backend]))
+        kept = {name: None for name in self._learned if name in listed}
+        for name in listed:
+            if len(kept) >= self._settings.max_learned:
+                break
+            kept.setdefault(name, None)
+        forgotten = tuple(name for name in self._learned if name not in kept)
+        self._learned = kept
+        if forgotten:
+            log.info("models no backend lists any more: %s", ", ".join(forgotten[:20]))
+            for callback in self._on_forget:
+                try:
+                    callback(forgotten)
+                except Exception:  # a watcher's bug must not fail the request that noticed
+                    log.exception("a model catalog watcher failed")
 
 
 def _valid(name: str) -> bool:
@@ -146,6 +235,40 @@ def _valid(name: str) -> bool:
     return True
 
 
+async def read_model_list(
+    upstream: Upstream, backend: Backend, max_bytes: int
+) -> list[dict[str, Any]] | None:
+    """A backend's ``/v1/models`` entries with a string ``id``; None when the list cannot be
+    had (an error status, a failure, an answer over ``max_bytes``, not a list)."""
+    headers = {"authorization": backend.auth_header} if backend.auth_header else None
+    try:
+        status, body = await upstream.get(backend.url + "/v1/models", headers)
+        if status >= 400:
+            log.debug("models of %s: status %d", backend.name, status)
+            return None
+        if len(body) > max_bytes:
+            log.warning(
+                "models of %s: a %d-byte answer, over models.max_list_bytes (%d): not read",
+                backend.name, len(body), max_bytes,
+            )  # fmt: skip
+            return None
+        if len(body) > _INLINE_PARSE_BYTES:
+            return await asyncio.to_thread(_entries, body)
+        return _entries(body)
+    except Exception as exc:  # a backend's garbage must not stop health checks
+        log.debug("models of %s unavailable: %r", backend.name, exc)
+        return None
+
+
+def _entries(body: bytes) -> list[dict[str, Any]] | None:
+    """Parse a ``/v1/models`` answer (may run on a worker thread: touches nothing shared)."""
+    answer = orjson.loads(body)
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        return None
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
 class ModelLearner:
     """Reads a backend's ``/v1/models`` after each good health check (``models.learn``)."""
 
@@ -154,39 +277,21 @@ class ModelLearner:
         self._upstream = upstream
 
     async def __call__(self, backend: Backend) -> None:
-        headers = {"authorization": backend.auth_header} if backend.auth_header else None
-        try:
-            status, body = await self._upstream.get(backend.url + "/v1/models", headers)
-            if status >= 400:
-                log.debug("models of %s: status %d", backend.name, status)
-                return
-            data = orjson.loads(body).get("data")
-        except Exception as exc:  # a backend's garbage must not stop health checks
-            log.debug("models of %s unavailable: %r", backend.name, exc)
-            return
-        if isinstance(data, list):
-            self._catalog.learn(backend, [m for m in data if isinstance(m, dict)])
+        max_bytes = self._catalog.settings.max_list_bytes
+        data = await read_model_list(self._upstream, backend, max_bytes)
+        if data is not None:
+            self._catalog.learn(backend, data)
 
 
-log = logging.getLogger(__name__)
+async def _models_of(upstream: Upstream, backend: Backend, max_bytes: int) -> list[dict[str, Any]]:
+    return await read_model_list(upstream, backend, max_bytes) or []
 
 
-async def _models_of(upstream: Upstream, backend: Backend) -> list[dict[str, Any]]:
-    headers = {"authorization": backend.auth_header} if backend.auth_header else None
-    try:
-        status, body = await upstream.get(backend.url + "/v1/models", headers)
-        if status >= 400:
-            return []
-        data = orjson.loads(body).get("data", [])
-    except Exception as exc:
-        log.debug("models of %s unavailable: %r", backend.name, exc)
-        return []
-    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-
-
-async def aggregate_models(registry: BackendRegistry, upstream: Upstream) -> dict[str, Any]:
+async def aggregate_models(
+    registry: BackendRegistry, upstream: Upstream, max_bytes: int = DEFAULT_MAX_LIST_BYTES
+) -> dict[str, Any]:
     backends = [b for b in registry.all() if b.routable]
-    lists = await asyncio.gather(*(_models_of(upstream, b) for b in backends))
+    lists = await asyncio.gather(*(_models_of(upstream, b, max_bytes) for b in backends))
     seen: dict[str, dict[str, Any]] = {}
     for models in lists:
         for model in models:
@@ -195,12 +300,19 @@ async def aggregate_models(registry: BackendRegistry, upstream: Upstream) -> dic
 
 
 class ModelList:
-    """The cached, single-flight model list."""
+    """The cached, single-flight model list (each backend's answer capped at ``max_bytes``)."""
 
-    def __init__(self, registry: BackendRegistry, upstream: Upstream, cache_s: float) -> None:
+    def __init__(
+        self,
+        registry: BackendRegistry,
+        upstream: Upstream,
+        cache_s: float,
+        max_bytes: int = DEFAULT_MAX_LIST_BYTES,
+    ) -> None:
         self._registry = registry
         self._upstream = upstream
         self._cache_s = cache_s
+        self._max_bytes = max_bytes
         self._body = b""
         self._at = float("-inf")
         self._pending: asyncio.Task[bytes] | None = None
@@ -216,7 +328,8 @@ class ModelList:
 
     async def _fetch(self) -> bytes:
         try:
-            body = orjson.dumps(await aggregate_models(self._registry, self._upstream))
+            models = await aggregate_models(self._registry, self._upstream, self._max_bytes)
+            body = orjson.dumps(models)
             self._body, self._at = body, time.monotonic()
             return body
         finally:

@@ -124,7 +124,11 @@ class RegistrationSettings(BaseModel):
     curve_secret_key_file: Path | None = None
     """The proxy's CURVE secret certificate (``NAME.key_secret``)."""
     curve_clients_dir: Path | None = None
-    """Directory of the workers' public certificates (``*.key``) admitted to register."""
+    """Directory of the workers' public certificates (``*.key``) admitted to register. Re-read
+    when it changes: deleting a key revokes it (its backends are drained, its messages and new
+    handshakes refused); putting it back re-admits it."""
+    keys_reload_s: float = Field(default=1.0, gt=0)
+    """How often ``curve_clients_dir`` is checked for changes."""
     heartbeat_timeout_s: float = Field(default=5.0, gt=0)
     """A registrant silent this long is drained (vLLM pings every 3 s; its proxy waits 5 s)."""
     dialect: DialectName = "p2p"
@@ -135,6 +139,11 @@ class RegistrationSettings(BaseModel):
     """Networks (CIDR) announced addresses may be in. Empty: a worker may only announce its
     own address (the source address of its ZMQ connection)."""
     max_registrants: int = Field(default=64, ge=1)
+    max_models_per_key: int = Field(default=16, ge=1)
+    """Most distinct model names one client key's backends may announce: each becomes a known
+    model (a metric label, a router, an admission bucket) while a backend serves it."""
+    max_models: int = Field(default=64, ge=1)
+    """Most distinct model names all registrants together may announce."""
     max_message_bytes: int = Field(default=4096, ge=256, le=65536)
     """libzmq drops a connection whose message is larger, before allocating it."""
     max_messages_per_s: float = Field(default=200.0, gt=0)
@@ -183,3 +192,14 @@ class MembershipSettings(BaseModel):
     still finish: they hold the backend)."""
     poll_s: float = Field(default=0.2, gt=0)
     """How often drained backends are checked for removal and registrants for expiry."""
+
+    @model_validator(mode="after")
+    def _dns_does_not_own_registered_names(self) -> MembershipSettings:
+        if self.registration.endpoint is not None and any(
+            group.name == "reg" for group in self.dns.groups
+        ):
+            raise ValueError(
+                "DNS group 'reg' would own every registered worker's name (reg-<address>-<port>):"
+                " rename the group"
+            )
+        return self

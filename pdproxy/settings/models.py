@@ -75,7 +75,15 @@ class ModelsSettings(BaseModel):
     """Learn each backend's models (and loaded LoRA adapters) from its ``/v1/models`` on every
     health check; a backend whose list is not known yet (or cannot be read) serves any model."""
     max_learned: int = Field(default=256, ge=1)
-    """Most distinct model names learned from backends: bounds metric labels and routers."""
+    """Most distinct model names known beyond the configured ones (learned from ``/v1/models``,
+    announced by registered workers, on admin-added backends): bounds metric labels, per-model
+    routers and admission buckets. A name no backend lists any more is forgotten."""
+    max_learned_per_backend: int = Field(default=64, ge=1)
+    """Most of those names one backend may bring: one backend listing junk cannot take the
+    whole ``max_learned`` budget from the others."""
+    max_list_bytes: int = Field(default=1024 * 1024, ge=1024)
+    """A backend's ``/v1/models`` answer larger than this is not parsed (the backend keeps the
+    list it had). 1 MiB is about 2,000 vLLM entries."""
     default_limits: ModelLimits | None = None
     """Per-model admission for every model without limits of its own (None: none)."""
 

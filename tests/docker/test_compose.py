@@ -118,7 +118,7 @@ def test_proxy_env_is_valid_and_points_at_the_workers(
     with pytest.MonkeyPatch.context() as env:
         worker = _worker_settings(services["producer-0"], env)
     assert settings.host == "0.0.0.0" and settings.port == _health_port(services["proxy"])
-    assert services["proxy"]["ports"] == [f"8000:{settings.port}"]
+    assert services["proxy"]["ports"] == [f"127.0.0.1:8000:{settings.port}"]
     assert settings.router == "kv"
     assert [b.name for b in settings.backends] == WORKERS
     for backend in settings.backends:

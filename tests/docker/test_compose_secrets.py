@@ -114,3 +114,15 @@ def test_grafana_has_no_default_admin() -> None:
     assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     assert "GF_SECURITY_ADMIN_PASSWORD" not in env
     assert grafana["profiles"] == ["grafana"]  # not started unless asked for
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_published_port_is_on_loopback(name: str) -> None:
+    """Issue 30: the proxy was published on every interface with no ``api_keys``, so anyone
+    on the host's network could send completions (and Locust's UI could start load runs).
+    Every published port binds 127.0.0.1: exposing one is an edit, made with keys set."""
+    services: dict[str, Any] = load_compose(name)["services"]
+    published = [(s, p) for s, service in services.items() for p in service.get("ports", [])]
+    assert any(service_name == "proxy" for service_name, _ in published)
+    for service_name, port in published:
+        assert str(port).startswith("127.0.0.1:"), (service_name, port)

@@ -36,13 +36,13 @@ from dns.rdtypes.IN.SRV import SRV
 from prometheus_client import CollectorRegistry, Counter
 
 from kvtier.tasks import cancel_and_wait
-from pdproxy.fleet.membership.members import Membership
+from pdproxy.fleet.membership.members import DNS_SOURCE, Membership
 from pdproxy.settings import BackendConfig, Dialect
 from pdproxy.settings.membership import DnsDiscoverySettings, DnsGroup, nameserver_address
 
 log = logging.getLogger(__name__)
 
-SOURCE = "dns"
+SOURCE = DNS_SOURCE
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 

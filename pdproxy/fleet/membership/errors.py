@@ -5,6 +5,7 @@ Hierarchy::
     ProxyError (pdproxy.errors)
     └── MembershipError         dynamic membership could not apply a change
         ├── MemberConflict      the name belongs to a configured backend or another source
+        ├── MemberRemoved       an operator removed or drained it: out until re-admitted
         └── AnnouncementRefused an authenticated announcement the proxy will not act on
                                 (an address outside the allowed networks, the registrant cap)
 
@@ -24,6 +25,12 @@ class MembershipError(ProxyError):
 class MemberConflict(MembershipError):
     """A backend of that name exists and belongs to the config, the admin API or another
     source (or registrant): it is neither replaced nor drained."""
+
+
+class MemberRemoved(MembershipError):
+    """An operator removed (or drained, and it then left) this backend through the admin API:
+    its source may not bring it back until it is re-admitted
+    (:meth:`~pdproxy.fleet.membership.members.Membership.readmit`)."""
 
 
 class AnnouncementRefused(MembershipError):

@@ -9,7 +9,17 @@ registry once it has had no leg in flight for ``drain_grace_s`` (or after ``drai
 so a backend that disappears from DNS or stops heartbeating never cuts a request short.
 
 A source can only touch the backends it owns: a configured or admin-added backend, or one owned
-by another source or owner, is a :class:`MemberConflict`, never replaced or drained.
+by another source or owner, is a :class:`MemberConflict`, never replaced or drained. Names are
+owned ahead of time too: a configured backend's name stays the config's after an admin removed
+it, and every name in a DNS group's namespace (``<group>-...``) is DNS's, so no other source
+can take a name DNS will give a backend it has not found yet.
+
+The operator wins over sources. A backend the admin API drained stays drained whatever its
+source says (refreshes, a changed config, leaving and coming back) until the operator undrains
+it. One the admin API removed (or drained, and that then left) is remembered: a source that
+joins with ``removal_sticks`` (worker registration) cannot bring it back until
+:meth:`Membership.readmit` (or :meth:`Membership.readmit_owner`); DNS brings it back on its
+next round, as DNS is the operator's own input.
 """
 
 from __future__ import annotations
@@ -24,11 +34,14 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvtier.tasks import cancel_and_wait
 from pdproxy.fleet.backends import Backend, BackendRegistry
-from pdproxy.fleet.membership.errors import MemberConflict
+from pdproxy.fleet.membership.errors import MemberConflict, MemberRemoved
 from pdproxy.settings import BackendConfig
 from pdproxy.settings.membership import MembershipSettings
 
 log = logging.getLogger(__name__)
+
+DNS_SOURCE = "dns"
+"""The source whose group names reserve a namespace (:mod:`pdproxy.fleet.membership.dns`)."""
 
 
 @dataclass(slots=True)
@@ -42,6 +55,8 @@ class Member:
     draining_since: float | None = None
     idle_since: float | None = None
     leave_reason: str = ""
+    held: bool = False
+    """The admin API drained it: only the operator undrains it."""
 
     @property
     def draining(self) -> bool:
@@ -79,6 +94,12 @@ class Membership:
         self._metrics = metrics or MembershipMetrics(None)
         self._members: dict[str, Member] = {}
         self._task: asyncio.Task[None] | None = None
+        self._configured = frozenset(b.name for b in registry.all())
+        """Names of the backends there before any source: the config's, even once removed."""
+        self._dns_prefixes = tuple(f"{group.name}-" for group in settings.dns.groups)
+        self._removed: dict[str, tuple[str, str]] = {}
+        """Name -> (source, owner) of members the operator removed (grows only by admin
+        actions)."""
 
     # -- reading
 
@@ -95,14 +116,40 @@ class Membership:
             if m.source == source and (owner is None or m.owner == owner)
         )
 
+    def removed(self) -> dict[str, tuple[str, str]]:
+        """Names the operator removed and no source may bring back: name -> (source, owner)."""
+        return dict(self._removed)
+
     # -- changing
 
-    def join(self, source: str, owner: str, config: BackendConfig) -> Member:
-        """Add or refresh ``config`` as ``owner``'s (raises :class:`MemberConflict`)."""
+    def readmit(self, name: str) -> bool:
+        """The operator takes back a removed member: its source may add it again."""
+        return self._removed.pop(name, None) is not None
+
+    def readmit_owner(self, source: str, owner: str) -> None:
+        """Take back every removed member of ``owner`` (its key was re-enabled)."""
+        for name, (s, o) in list(self._removed.items()):
+            if (s, o) == (source, owner):
+                del self._removed[name]
+
+    def join(
+        self, source: str, owner: str, config: BackendConfig, *, removal_sticks: bool = False
+    ) -> Member:
+        """Add or refresh ``config`` as ``owner``'s (raises :class:`MemberConflict`; with
+        ``removal_sticks``, :class:`MemberRemoved` for a backend the operator removed)."""
         now = self._clock()
         name = config.name
+        self._check_name(source, name)
         member = self._members.get(name)
         live = self._registry.get(name)
+        if member is not None and live is None:  # the admin API removed it
+            del self._members[name]
+            self._removed[name] = (member.source, member.owner)
+            member = None
+        if name in self._removed:
+            if removal_sticks:
+                raise MemberRemoved(f"backend {name!r} was removed by the operator")
+            del self._removed[name]
         if member is None:
             if live is not None:
                 self._conflict(source, f"backend {name!r} is configured, not {source}'s")
@@ -113,24 +160,23 @@ class Membership:
             return member
         if (member.source, member.owner) != (source, owner):
             self._conflict(source, f"backend {name!r} belongs to another {member.source} owner")
-        if live is not member.backend:
-            if live is not None:  # the admin API put another backend under this name
-                del self._members[name]
-                self._conflict(source, f"backend {name!r} was replaced through the admin API")
-            member.backend = self._registry.add(config)  # the admin API removed it: back
-            member.draining_since = member.idle_since = None
-            self._metrics.changes.labels(source, "joined").inc()
-        elif member.backend.config != config:
+        if live is not member.backend:  # the admin API put another backend under this name
+            del self._members[name]
+            self._conflict(source, f"backend {name!r} was replaced through the admin API")
+        held = self._held(member)
+        if member.backend.config != config:
             self._registry.remove(name)  # legs in flight finish on the old object
             member.backend = self._registry.add(config)
+            member.backend.draining = held
             member.draining_since = member.idle_since = None
             self._metrics.changes.labels(source, "replaced").inc()
             log.info("membership: %s replaced from %s (%s)", name, source, config.url)
         elif member.draining:
-            member.backend.draining = False
+            member.backend.draining = held
             member.draining_since = member.idle_since = None
-            self._metrics.changes.labels(source, "undrained").inc()
-            log.info("membership: %s is back from %s", name, source)
+            if not held:
+                self._metrics.changes.labels(source, "undrained").inc()
+                log.info("membership: %s is back from %s", name, source)
         member.seen_at = now
         return member
 
@@ -139,6 +185,7 @@ class Membership:
         member = self._members.get(name)
         if member is None or member.draining:
             return
+        self._held(member)
         member.backend.draining = True
         member.draining_since = self._clock()
         member.idle_since = None
@@ -175,10 +222,14 @@ class Membership:
         now = self._clock()
         removed = []
         for member in list(self._members.values()):
-            if member.draining_since is None:
+            live = self._registry.get(member.name)
+            if live is not member.backend:  # the admin API removed or replaced it
+                del self._members[member.name]
+                if live is None:
+                    self._removed[member.name] = (member.source, member.owner)
                 continue
-            if self._registry.get(member.name) is not member.backend:
-                del self._members[member.name]  # the admin API removed it already
+            held = self._held(member)
+            if member.draining_since is None:
                 continue
             if not member.backend.draining:  # undrained through the admin API: it stays
                 member.draining_since = member.idle_since = None
@@ -198,10 +249,29 @@ class Membership:
                 )  # fmt: skip
             self._registry.remove(member.name)
             del self._members[member.name]
+            if held:  # the operator drained it, then it left: it stays out
+                self._removed[member.name] = (member.source, member.owner)
             removed.append(member.name)
             self._metrics.changes.labels(member.source, "removed").inc()
             log.info("membership: %s removed (%s)", member.name, member.leave_reason)
         return removed
+
+    def _check_name(self, source: str, name: str) -> None:
+        """Config and DNS win: their names, present or future, are not another source's."""
+        if name in self._configured and self._registry.get(name) is None:
+            self._conflict(source, f"backend {name!r} is the config's")
+        if source != DNS_SOURCE and name.startswith(self._dns_prefixes):
+            self._conflict(source, f"backend {name!r} is in a DNS group's namespace")
+
+    @staticmethod
+    def _held(member: Member) -> bool:
+        """Whether the operator holds ``member`` drained: noticed when the backend is
+        draining but this mechanism did not drain it; released when the operator undrains."""
+        if member.backend.draining and member.draining_since is None:
+            member.held = True
+        elif not member.backend.draining:
+            member.held = False
+        return member.held
 
     def _conflict(self, source: str, message: str) -> None:
         self._metrics.conflicts.labels(source).inc()

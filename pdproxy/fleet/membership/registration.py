@@ -1,9 +1,15 @@
-"""Worker self-registration: a ZMQ ROUTER that workers announce themselves and heartbeat to.
+"""Worker self-registration: a ZMQ socket that workers announce themselves and heartbeat to.
 
 The message is vLLM's (:mod:`kvtier.announce`): a worker's DEALER sends it every few seconds;
 the first one joins the backend, later ones refresh it, ``leaving`` drains it at once, and a
 registrant silent for ``heartbeat_timeout_s`` is drained. Drained registrants are removed once
 their legs in flight have ended (:class:`~pdproxy.fleet.membership.members.Membership`).
+
+The proxy's socket is a DEALER (vLLM's proxy binds a ROUTER; a DEALER talks to a DEALER): a
+ROUTER keys its peers by the routing id each one chooses (vLLM's is its predictable
+``zmq_address``) and ignores a second peer under a taken id, so whoever connected first under a
+worker's id kept that worker out. The proxy never answers, so it needs no routing id: a sender
+is its CURVE public key (the ``User-Id`` the ZAP handler gives each message).
 
 Threat model (who may connect, what they can make the proxy do):
 
@@ -14,12 +20,21 @@ Threat model (who may connect, what they can make the proxy do):
   (libzmq has no such option): firewall the port to the workers' network.
 - *An admitted worker* (a key in the directory) can register backends, but only at its own
   address (the source address of its connection; ``allowed_networks`` widens that), never a
-  name that belongs to a configured backend, a DNS group or another key (:class:`MemberConflict`
-  by owner = client key), at most ``max_registrants`` backends in all, and it can drain or
-  replace only what its own key registered. Every announced host must be an IP literal; a
-  wildcard events endpoint (which would make the proxy bind) is refused by the wire format.
+  name that belongs to a configured backend (even one an admin removed), a DNS group's
+  namespace (``<group>-...``), another address's generated name (``reg-<address>-<port>``) or
+  another key (:class:`MemberConflict` by owner = client key), at most ``max_registrants``
+  backends in all, announcing at most ``max_models_per_key`` distinct model names (all keys:
+  ``max_models``), and it can drain or replace only what its own key registered. Every
+  announced host must be an IP literal; a wildcard events endpoint (which would make the proxy
+  bind) is refused by the wire format.
+- *The operator wins*: a registered backend removed or drained through the admin API stays out
+  (or drained) whatever its key announces, until re-admitted
+  (:meth:`Membership.readmit <pdproxy.fleet.membership.members.Membership.readmit>`) or its key
+  is re-enabled. Deleting a key's file revokes it within ``keys_reload_s``: its backends are
+  drained, its messages refused (``revoked``), new handshakes with it fail
+  (:mod:`~pdproxy.fleet.membership.keys`).
 - *Memory*: libzmq drops any message over ``max_message_bytes`` before allocating it; at most
-  ``RCVHWM`` messages queue; messages past ``max_messages_per_s`` (all) or
+  ``RCVHWM`` messages queue per connection; messages past ``max_messages_per_s`` (all) or
   ``max_messages_per_key_s`` (per key) are dropped before decoding; decoding bounds every
   string, list and map (:func:`kvtier.announce.decode`).
 - Registered backends receive client prompts and ``api_key``: only admit keys of workers you
@@ -45,8 +60,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvtier.announce import Announcement, decode
 from kvtier.errors import AnnouncementError
-from kvtier.events.curve import ClientGate, load_server, make_server
-from pdproxy.fleet.membership.errors import AnnouncementRefused, MemberConflict
+from kvtier.events.curve import load_server, make_server
+from pdproxy.fleet.membership.errors import AnnouncementRefused, MemberConflict, MemberRemoved
+from pdproxy.fleet.membership.keys import AdmittedKeys, KeyChange, KeyGate
 from pdproxy.fleet.membership.members import Membership
 from pdproxy.settings import BackendConfig, Dialect
 from pdproxy.settings.backends import Role
@@ -55,6 +71,8 @@ from pdproxy.settings.membership import RegistrationSettings
 log = logging.getLogger(__name__)
 
 SOURCE = "registration"
+GENERATED_PREFIX = "reg-"
+"""Names the listener makes from an address (``reg-<address>-<port>``)."""
 _ROLES = {"P": Role.PRODUCER, "D": Role.CONSUMER, "PD": Role.BOTH}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _RCVHWM = 1024
@@ -100,14 +118,15 @@ class RegistrationListener:
         self._per_key: dict[str, _Bucket] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._gate: ClientGate | None = None
+        self._gate: KeyGate | None = None
+        self._keys: AdmittedKeys | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.endpoint: str | None = None
         """The bound endpoint (the port filled in when the setting's was 0)."""
         self.messages = Counter(
             "pdproxy_registration_messages",
             "Registration messages by outcome (joined, refreshed, left, malformed, address, "
-            "full, conflict, owner, rate, frames)",
+            "full, models, conflict, owner, removed, revoked, rate, frames)",
             ["outcome"],
             registry=metrics_registry,
         )
@@ -123,10 +142,11 @@ class RegistrationListener:
             return
         assert s.curve_secret_key_file is not None and s.curve_clients_dir is not None
         keys = load_server(s.curve_secret_key_file, s.curve_clients_dir)
+        self._keys = AdmittedKeys(s.curve_clients_dir)
         self._ctx = zmq.asyncio.Context()
-        self._gate = ClientGate(self._ctx, keys)
+        self._gate = KeyGate(self._ctx, self._keys)
         self._gate.start()
-        sock = self._sock = self._ctx.socket(zmq.ROUTER)
+        sock = self._sock = self._ctx.socket(zmq.DEALER)  # not ROUTER: peers choose no id here
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, s.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, _RCVHWM)
@@ -138,6 +158,7 @@ class RegistrationListener:
         self._tasks = [
             loop.create_task(self._receive(sock), name="pdproxy-registration"),
             loop.create_task(self._expire(), name="pdproxy-registration-expiry"),
+            loop.create_task(self._watch_keys(), name="pdproxy-registration-keys"),
         ]
         log.info("registration: listening on %s (CURVE)", self.endpoint)
 
@@ -149,6 +170,7 @@ class RegistrationListener:
         if self._gate is not None:
             await self._gate.stop()
             self._gate = None
+        self._keys = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -159,7 +181,7 @@ class RegistrationListener:
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sock.recv_multipart(copy=False)
-            if len(frames) != 2:  # routing id + one message frame, as vLLM's DEALER sends
+            if len(frames) != 1:  # one message frame, as vLLM's DEALER sends
                 self.messages.labels("frames").inc()
                 continue
             last = frames[-1]
@@ -178,9 +200,37 @@ class RegistrationListener:
             await asyncio.sleep(min(timeout / 4, 1.0))
             self._membership.expire(SOURCE, timeout)
 
+    async def _watch_keys(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.keys_reload_s)
+            try:
+                self.reload_keys()
+            except Exception:
+                log.exception("registration: reloading the client keys failed")
+
+    def reload_keys(self) -> KeyChange | None:
+        """Re-read ``curve_clients_dir`` if it changed (every ``keys_reload_s``; an admin call
+        may too): revoked keys' backends are drained, re-enabled keys' removals forgotten."""
+        if self._keys is None:
+            return None
+        change = self._keys.reload()
+        if change is None:
+            return None
+        for key in change.revoked:
+            owner = key_id(key)
+            self._per_key.pop(key, None)
+            for member in self._membership.members(SOURCE):
+                if member.owner == owner:
+                    self._membership.leave(member.name, "client key revoked")
+        for key in change.added:
+            self._membership.readmit_owner(SOURCE, key_id(key))
+        return change
+
     def accept(self, payload: bytes, client_key: str, peer: str) -> str:
         """Act on one authenticated message; the outcome label. ``client_key`` is the sender's
         CURVE public key (z85), ``peer`` its connection's source address."""
+        if self._keys is not None and client_key not in self._keys.allowed:
+            return "revoked"  # a connection made before its key was revoked
         now = self._clock()
         bucket = self._per_key.get(client_key)
         if bucket is None:
@@ -199,6 +249,11 @@ class RegistrationListener:
             return exc.reason
         config = self.backend_config(announcement)
         owner = key_id(client_key)
+        if config.name.startswith(GENERATED_PREFIX) and config.name != _generated_name(
+            announcement.http_address
+        ):
+            log.warning("registration: %s may not announce %s", owner, config.name)
+            return "conflict"  # another address's generated name
         member = self._membership.get(config.name)
         if member is not None and (member.source, member.owner) != (SOURCE, owner):
             log.warning("registration: %s may not announce %s", owner, config.name)
@@ -212,12 +267,36 @@ class RegistrationListener:
             log.warning("registration: %d registrants, refusing %s", self._membership.count(SOURCE),
                         config.name)  # fmt: skip
             return "full"
+        if (member is None or member.backend.config.models != config.models) and not (
+            self._models_fit(owner, config)
+        ):
+            log.warning("registration: %s: models of %s over the caps", owner, config.name)
+            return "models"
         try:
-            self._membership.join(SOURCE, owner, config)
+            self._membership.join(SOURCE, owner, config, removal_sticks=True)
         except MemberConflict as exc:
             log.warning("registration: %s", exc)
             return "conflict"
+        except MemberRemoved as exc:
+            log.debug("registration: %s", exc)
+            return "removed"
         return "refreshed" if member is not None else "joined"
+
+    def _models_fit(self, owner: str, config: BackendConfig) -> bool:
+        """Within ``max_models_per_key`` for ``owner`` and ``max_models`` in all, once
+        ``config`` replaces what its name announced before."""
+        own = set(config.models)
+        every = set(config.models)
+        for member in self._membership.members(SOURCE):
+            if member.name == config.name:
+                continue
+            models = member.backend.config.models
+            every.update(models)
+            if member.owner == owner:
+                own.update(models)
+        return len(own) <= self._settings.max_models_per_key and (
+            len(every) <= self._settings.max_models
+        )
 
     def _check_addresses(self, announcement: Announcement, peer: str) -> None:
         for host in announcement.hosts():
@@ -237,8 +316,7 @@ class RegistrationListener:
 
     def backend_config(self, announcement: Announcement) -> BackendConfig:
         role = _ROLES[announcement.kind]
-        host, port = announcement.http_address.rsplit(":", 1)
-        name = announcement.name or f"reg-{_UNSAFE.sub('-', host.strip('[]'))}-{port}"
+        name = announcement.name or _generated_name(announcement.http_address)
         # Kept for every role: every worker is a P2P holder, and a consumer's address is where
         # a pull (remote_kv_source) fetches from. It is never a producer's address: a consumer
         # is never a producer candidate, and the hosts were checked like the others above.
@@ -254,6 +332,11 @@ class RegistrationListener:
             events_replay_endpoint=announcement.events_replay_endpoint,
             data_parallel_size=announcement.dp_size,
         )
+
+
+def _generated_name(http_address: str) -> str:
+    host, port = http_address.rsplit(":", 1)
+    return f"{GENERATED_PREFIX}{_UNSAFE.sub('-', host.strip('[]'))}-{port}"[:64]
 
 
 def _unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:

@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 import pytest
+from aiohttp import web
 from pydantic import ValidationError
 
 from loadtest.fake_backend import FakeBackend
 from pdproxy.fleet.backends import BackendRegistry
-from pdproxy.fleet.models import ModelCatalog
-from pdproxy.settings import BackendConfig, BreakerSettings
+from pdproxy.fleet.models import ModelCatalog, ModelLearner
+from pdproxy.settings import BackendConfig, BreakerSettings, TimeoutSettings, UpstreamSettings
 from pdproxy.settings.models import ModelsSettings
+from pdproxy.upstream.client import Upstream
 from tests.pdproxy.conftest import (
     FakeFactory,
     ProxyFactory,
@@ -236,3 +239,62 @@ def test_catalog_learns_adapters_and_bounds_what_it_learns() -> None:
     assert catalog.resolve({}) is None
     with pytest.raises(Exception, match="does not exist"):
         catalog.resolve({"model": "fourth"})
+
+
+# -- issue 30, finding 8: a backend's model list, played by an attacker
+
+
+def test_one_backend_cannot_take_every_learned_name_and_junk_is_forgotten() -> None:
+    """One backend listing 256 junk names filled the global ``max_learned`` and a real new
+    adapter on another backend was a 404 until restart. A backend now learns at most
+    ``max_learned_per_backend`` names, and names no backend lists any more are forgotten."""
+    registry = BackendRegistry(BreakerSettings())
+    junk = registry.add(BackendConfig(name="junk", url="http://h1", role="consumer"))
+    real = registry.add(BackendConfig(name="real", url="http://h2", role="consumer"))
+    catalog = ModelCatalog(ModelsSettings(), registry)
+    catalog.learn(junk, [{"id": f"junk-{i}"} for i in range(256)])
+    catalog.learn(real, [{"id": "base"}, {"id": "new-adapter", "parent": "base"}])
+    ref = catalog.resolve({"model": "new-adapter"})
+    assert ref is not None and ref.label == "new-adapter" and ref.base == "base"
+    catalog.learn(junk, [{"id": "base"}])  # the junk is gone from its list
+    assert sorted(catalog.known()) == ["base", "new-adapter"]
+    registry.remove("real")
+    assert catalog.known() == ["base"]
+
+
+async def test_an_oversized_model_list_is_not_parsed() -> None:
+    """A backend answered ``/v1/models`` with 45 MiB and the proxy parsed it on the event loop
+    (``/health`` stalled 1.46 s per poll). A list past ``models.max_list_bytes`` (1 MiB) is
+    not parsed: the backend keeps the list it had."""
+    entries = [{"id": f"m-{i:07d}", "object": "model"} for i in range(40_000)]  # ~1.3 MiB
+    big = orjson.dumps({"object": "list", "data": entries})
+    assert len(big) > 2**20
+    answers = [b'{"object": "list", "data": [{"id": "small"}]}', big]
+
+    async def models(_: web.Request) -> web.Response:
+        return web.Response(body=answers[0], content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    upstream = Upstream(TimeoutSettings(), UpstreamSettings())
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        registry = BackendRegistry(BreakerSettings())
+        backend = registry.add(
+            BackendConfig(name="b", url=f"http://127.0.0.1:{port}", role="consumer")
+        )
+        catalog = ModelCatalog(ModelsSettings(), registry)
+        learner = ModelLearner(catalog, upstream)
+        await learner(backend)
+        assert backend.models is not None and backend.models.names == {"small"}
+        answers.pop(0)
+        await learner(backend)
+        assert backend.models.names == {"small"}
+        assert catalog.known() == ["small"]
+    finally:
+        await upstream.close()
+        await runner.cleanup()

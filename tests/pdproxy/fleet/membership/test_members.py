@@ -148,6 +148,27 @@ def test_admin_undrain_wins_over_a_membership_drain() -> None:
     assert member is not None and not member.draining
 
 
+def test_an_admin_drain_holds_until_the_admin_undrains() -> None:
+    """The operator wins over a source: leaving and coming back, or a changed config, do not
+    undo an admin drain; the admin's undrain does."""
+    registry, membership, clock = setup(grace=5)
+    membership.join("registration", "k", config("w1"))
+    backend = registry.get("w1")
+    assert backend is not None
+    backend.draining = True  # POST /admin/backends/w1/drain
+    membership.leave("w1", "announced leaving")
+    clock.now += 1
+    membership.join("registration", "k", config("w1"))
+    membership.join("registration", "k", config("w1", port=8001))
+    live = registry.get("w1")
+    assert live is not None and live.draining and membership.sweep() == []
+    live.draining = False  # POST /admin/backends/w1/undrain
+    membership.sweep()
+    membership.join("registration", "k", config("w1", port=8002))
+    live = registry.get("w1")
+    assert live is not None and live.routable
+
+
 def test_expire_drains_the_silent() -> None:
     _, membership, clock = setup()
     membership.join("registration", "k", config("w1"))

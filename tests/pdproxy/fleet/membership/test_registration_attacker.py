@@ -6,8 +6,11 @@ measured while the same listener demonstrably registers the worker. Rules (threa
 
 - no key, or a key the proxy does not admit: nothing is registered, drained or replaced;
 - a message over the size cap: the connection is dropped, nothing is decoded;
-- an admitted key may announce only its own address, never a configured backend's name or
-  another key's backend, and not past the registrant cap or the message rates.
+- an admitted key may announce only its own address, never a configured backend's name, a DNS
+  group's (future) name or another key's backend, and not past the registrant cap, the model
+  caps or the message rates;
+- a sender is its key, not the routing id it chose; the operator's removal or drain sticks; a
+  deleted key is out without a restart.
 """
 
 from __future__ import annotations
@@ -24,12 +27,21 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from kvtier.events.curve import write_certificate
+from pdproxy.errors import ModelNotFound
 from pdproxy.fleet.backends import BackendRegistry
+from pdproxy.fleet.membership.dns import backend_config
 from pdproxy.fleet.membership.members import Membership
 from pdproxy.fleet.membership.registration import RegistrationListener
+from pdproxy.fleet.models import OTHER_LABEL, ModelCatalog
 from pdproxy.routing.base import Role
 from pdproxy.settings import BackendConfig, BreakerSettings
-from pdproxy.settings.membership import MembershipSettings, RegistrationSettings
+from pdproxy.settings.membership import (
+    DnsDiscoverySettings,
+    DnsGroup,
+    MembershipSettings,
+    RegistrationSettings,
+)
+from pdproxy.settings.models import ModelsSettings
 from tests.pdproxy.conftest import eventually
 from tests.pdproxy.fleet.membership.conftest import RegistrationKeys
 from tests.pdproxy.fleet.membership.registrant import Registrant, vllm_message
@@ -296,3 +308,187 @@ def test_any_message_sequence_keeps_the_invariants(messages: list[bytes], keys: 
     assert len(membership.members()) <= 3
     for member in membership.members():
         assert member.backend.url.startswith("http://127.0.0.1:")
+
+
+# -- issue 30: findings 6 and 7, played by an admitted key
+
+
+def _offline(
+    settings: MembershipSettings | None = None, **registration: object
+) -> tuple[BackendRegistry, Membership, RegistrationListener]:
+    """A listener fed through ``accept`` (no socket): its rules without timing."""
+    registry = BackendRegistry(BreakerSettings())
+    registry.add(BackendConfig(name="static", url="http://127.0.0.1:9", role=Role.CONSUMER))
+    membership = Membership(registry, settings or MembershipSettings(drain_grace_s=0))
+    values: dict[str, object] = {"max_messages_per_s": 1e6, "max_messages_per_key_s": 1e6}
+    listener = RegistrationListener(
+        RegistrationSettings.model_validate(values | registration), membership
+    )
+    return registry, membership, listener
+
+
+def _announce(listener: RegistrationListener, key: str, port: int, **extra: object) -> str:
+    message = vllm_message("P", port) | extra
+    return listener.accept(msgpack.dumps(message), key * 40, "127.0.0.1")
+
+
+def _label(catalog: ModelCatalog, model: str) -> str | None:
+    """The metric label (and router, admission bucket) a request for ``model`` gets."""
+    try:
+        ref = catalog.resolve({"model": model})
+    except ModelNotFound:
+        return None
+    return ref.label if ref is not None else None
+
+
+def test_announced_models_are_bounded_and_what_no_backend_serves_is_forgotten() -> None:
+    """Finding 6: every model name a registrant announced became a known model (a metric label,
+    a per-model router, an admission bucket) and was never forgotten: 80 announcements made
+    2,496 labels. Now one key may announce at most ``max_models_per_key`` names, all keys
+    ``max_models``, and a name no backend serves any more leaves the catalog, which tells its
+    watchers (routing and admission drop what they hold for it)."""
+    registry, membership, listener = _offline()
+    catalog = ModelCatalog(ModelsSettings(), registry)
+    labels: set[str] = set()
+    for key in "abcdefgh":  # 8 keys x 8 backends x 8 fresh names = 512 names offered
+        for i in range(8):
+            models = [f"junk-{key}-{i}-{n}" for n in range(8)]
+            _announce(listener, key, 8100 + ord(key) * 10 + i, models=models)
+            labels.update(label for m in models if (label := _label(catalog, m)) is not None)
+        by_key = {m for m in catalog.known() if m.startswith(f"junk-{key}-")}
+        assert len(by_key) <= 16, f"key {key} made {len(by_key)} known models"
+    labels.discard(OTHER_LABEL)
+    assert len(labels) <= 64, f"{len(labels)} labels handed out"
+    assert len(catalog.known()) <= 64
+    forgotten: list[str] = []
+    catalog.on_forget(forgotten.extend)
+    handed_out: set[str] = set(catalog.known())
+    for round_ in range(80):  # one key churns its backend's models
+        models = [f"churn-{round_}-{n}" for n in range(8)]
+        _announce(listener, "a", 8100 + ord("a") * 10, models=models)
+        handed_out.update(label for m in models if (label := _label(catalog, m)) is not None)
+        assert len(catalog.known()) <= 64
+    gone = handed_out - set(catalog.known())
+    assert gone and gone <= set(forgotten)
+    for member in membership.members():  # every registrant leaves: its names are forgotten
+        membership.leave(member.name, "test")
+    membership.sweep()
+    assert catalog.known() == [] and handed_out <= set(forgotten)
+
+
+def test_a_registrant_cannot_take_a_name_config_or_dns_owns_or_will_own() -> None:
+    """Finding 7: a registrant took ``prefill-<ip>-<port>`` before DNS found that backend and
+    received its traffic. Names in a DNS group's namespace, configured names (even after an
+    admin removed the backend) and another address's generated ``reg-`` name are refused."""
+    group = DnsGroup(name="prefill", query="prefill.example", port=8200, role=Role.PRODUCER)
+    settings = MembershipSettings(dns=DnsDiscoverySettings(groups=[group]), drain_grace_s=0)
+    registry, membership, listener = _offline(settings)
+    dns_name = backend_config(group, "127.0.0.1", 8200).name
+    assert _announce(listener, "a", 8200, name=dns_name) == "conflict"
+    assert _announce(listener, "a", 8201, name="prefill-10.0.0.9-8000") == "conflict"
+    assert _announce(listener, "a", 8202, name="reg-127.0.0.2-8202") == "conflict"
+    registry.remove("static")  # DELETE /admin/backends/static: the name stays the config's
+    assert _announce(listener, "a", 8203, name="static") == "conflict"
+    membership.sync("dns", "prefill", [backend_config(group, "127.0.0.1", 8200)])
+    member = membership.get(dns_name)
+    assert member is not None and member.source == "dns"
+    assert _announce(listener, "a", 8204) == "joined"  # its own generated name is fine
+
+
+def test_an_operators_removal_or_drain_of_a_registrant_sticks() -> None:
+    """Finding 7: an admin DELETE or drain of a registered backend was undone by its next
+    announcement (5/10 requests back on it within 2 s). It now stays out until re-admitted."""
+    registry, membership, listener = _offline()
+    removed, drained = "reg-127.0.0.1-8100", "reg-127.0.0.1-8101"
+    assert _announce(listener, "a", 8100) == "joined"
+    registry.remove(removed)  # DELETE /admin/backends/reg-127.0.0.1-8100
+    for _ in range(3):
+        assert _announce(listener, "a", 8100) == "removed"
+        membership.sweep()
+    assert registry.get(removed) is None
+    assert _announce(listener, "a", 8101) == "joined"
+    backend = registry.get(drained)
+    assert backend is not None
+    backend.draining = True  # POST /admin/backends/reg-127.0.0.1-8101/drain
+    _announce(listener, "a", 8101)
+    _announce(listener, "a", 8101, zmq_address="127.0.0.1:21002")  # a changed config
+    live = registry.get(drained)
+    assert live is not None and live.draining and not live.routable
+    assert _announce(listener, "a", 8101, leaving=True) == "left"
+    assert membership.sweep() == [drained]
+    assert _announce(listener, "a", 8101) == "removed" and registry.get(drained) is None
+    membership.readmit(removed)  # the operator takes it back
+    assert _announce(listener, "a", 8100) == "joined"
+    assert registry.get(removed) is not None and registry.get(drained) is None
+
+
+async def test_a_squatter_on_the_victims_routing_id_cannot_keep_it_out(
+    listening: Listening, tmp_path: Path
+) -> None:
+    """Finding 7: the ROUTER identified peers by the routing id they chose (vLLM's is its
+    predictable ``zmq_address``): a second admitted key connected first under the victim's id
+    and the victim never registered (20 heartbeats, no error)."""
+    ctx = listening
+    public, squatter_secret = write_certificate(tmp_path / "k2", "squatter")
+    (ctx.keys.clients_dir / "squatter.key").write_text(public.read_text())
+    await ctx.listener.close()  # reload the admitted keys
+    await ctx.listener.start()
+    assert ctx.listener.endpoint is not None
+    ctx.endpoint = ctx.listener.endpoint
+    squatter = ctx.registrant(squatter_secret, identity="10.0.0.1:21001")  # the victim's id
+    victim: Registrant | None = None
+    try:
+        await squatter.send(vllm_message("P", 8200))
+        await eventually(lambda: "reg-127.0.0.1-8200" in ctx.names(), 5)
+        victim = ctx.registrant(ctx.keys.worker_secret, identity="10.0.0.1:21001")
+        for _ in range(25):  # heartbeats, bounded
+            await victim.send(vllm_message("P", 8100))
+            if "reg-127.0.0.1-8100" in ctx.names():
+                break
+            await asyncio.sleep(0.2)
+        assert "reg-127.0.0.1-8100" in ctx.names()
+    finally:
+        squatter.close()
+        if victim is not None:
+            victim.close()
+
+
+async def test_a_revoked_key_is_out_without_a_restart(listening: Listening) -> None:
+    """Finding 7: keys were read once at start. Deleting a worker's public key from
+    ``curve_clients_dir`` now drains its backends and refuses its messages and new handshakes;
+    putting the key back re-admits it."""
+    ctx = listening
+    name = "reg-127.0.0.1-8100"
+    worker = ctx.registrant(ctx.keys.worker_secret)
+    late: Registrant | None = None
+    key_file = ctx.keys.clients_dir / "worker.key"
+    try:
+        await worker.send(vllm_message("P", 8100))
+        await eventually(lambda: name in ctx.names(), 5)
+        key_text = key_file.read_text()
+        key_file.unlink()
+
+        def drained() -> bool:
+            member = ctx.membership.get(name)
+            return member is None or member.draining
+
+        await eventually(drained, 5)
+        await worker.send(vllm_message("P", 8100))
+        await eventually(lambda: ctx.outcome("revoked") >= 1, 5)
+        assert drained()
+        refused = ctx.listener.refused_handshakes
+        late = ctx.registrant(ctx.keys.worker_secret, identity="10.0.0.3:1")
+        await late.send(vllm_message("P", 8101))
+        await eventually(lambda: ctx.listener.refused_handshakes > refused, 5)
+        assert "reg-127.0.0.1-8101" not in ctx.names()
+        key_file.write_text(key_text)  # re-enabled
+        for _ in range(25):
+            await worker.send(vllm_message("P", 8100))
+            if not drained():
+                break
+            await asyncio.sleep(0.2)
+        assert not drained()
+    finally:
+        worker.close()
+        if late is not None:
+            late.close()

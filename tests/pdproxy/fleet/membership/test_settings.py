@@ -69,7 +69,7 @@ def test_errors_do_not_echo_the_api_key() -> None:
 
 
 def test_registration_is_refused_with_a_worker_group(registration_keys: RegistrationKeys) -> None:
-    """A ROUTER socket binds in one process: a group of N would split the registrations."""
+    """The registration socket binds in one process: a group of N would split the registrations."""
     registration = {
         "endpoint": "tcp://127.0.0.1:30001",
         "curve_secret_key_file": str(registration_keys.proxy_secret),
@@ -80,3 +80,19 @@ def test_registration_is_refused_with_a_worker_group(registration_keys: Registra
     )
     with pytest.raises(ConfigError, match="workers: 1"):
         run_server(settings)
+
+
+def test_a_dns_group_named_reg_is_refused_beside_registration(
+    registration_keys: RegistrationKeys,
+) -> None:
+    """DNS owns its groups' namespaces (``<group>-...``): a group named ``reg`` would own every
+    registered worker's generated name (``reg-<address>-<port>``)."""
+    registration = {
+        "endpoint": "tcp://127.0.0.1:30001",
+        "curve_secret_key_file": str(registration_keys.proxy_secret),
+        "curve_clients_dir": str(registration_keys.clients_dir),
+    }
+    dns = {"groups": [GROUP | {"name": "reg"}]}
+    with pytest.raises(ValidationError, match="reg"):
+        ProxySettings.model_validate({"membership": {"dns": dns, "registration": registration}})
+    ProxySettings.model_validate({"membership": {"dns": dns}})  # no registration: fine
