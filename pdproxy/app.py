@@ -81,7 +81,7 @@ class ProxyState:
         self.registry = BackendRegistry(settings.breaker, clock)
         for config in settings.backends:
             self.registry.add(config)
-        self.keys = ClientKeys(settings.api_keys)
+        self.keys = ClientKeys(settings.api_keys, share_prefixes=settings.tenants.share_prefixes)
         """The client keys, for the completion routes and ``/v1/models`` alike."""
         self.admission = Admission(settings.admission)
         self.metrics = ProxyMetrics(self.registry, lambda: self.admission.queue_depth)

@@ -108,6 +108,9 @@ def run_server(settings: ProxySettings) -> int:
     """Serve until SIGTERM/SIGINT: one process, or ``settings.workers`` (0: one per core)
     processes on one port (:mod:`pdproxy.serve.process_group`). Returns the exit status."""
     _configure_logging(settings)
+    # One salt secret for every process of the group: a tenant's requests hash alike whichever
+    # process takes them.
+    settings = settings.model_copy(update={"tenants": settings.tenants.with_secret()})
     count = process_count(settings.workers)
     if count > 1 and settings.membership.registration.endpoint is not None:
         # One ROUTER socket per endpoint, and each process would hold only the registrations

@@ -7,8 +7,10 @@ from the parent's router hash and keeps engine hash → router hashes, so a late
 ``BlockRemoved`` resolves. One map per node; both index implementations share it.
 
 An engine block may span several router blocks (engine block size a multiple of the router's).
-Events the router's hashes cannot represent are skipped and counted: LoRA blocks, blocks with
-extra hash keys (multimodal inputs, cache salts), other KV-cache groups, unknown media, and
+A chain's first block whose only extra hash key is a string (vLLM's form for a ``cache_salt``:
+``extra_keys[0] == (salt,)``) is hashed under that salt, as the router hashes a request that
+carries it. Events the router's hashes cannot represent are skipped and counted: LoRA blocks,
+blocks with other extra hash keys (multimodal inputs), other KV-cache groups, unknown media, and
 block sizes that are not a multiple of the router's.
 
 A node's events decide how much the index holds for it, so each map has a block budget
@@ -210,7 +212,10 @@ class EngineHashMap:
             return False
         if event.lora_id is not None or event.lora_name is not None:
             return False
-        if event.extra_keys is not None and any(k is not None for k in event.extra_keys):
+        extra = event.extra_keys
+        if extra is not None and any(k is not None for k in extra[1:]):
+            return False
+        if extra and extra[0] is not None and _salt_of(event) is None:
             return False
         return (
             event.block_size % self._hasher.block_size == 0
@@ -231,7 +236,10 @@ class EngineHashMap:
                 return None
             parent = parent_entry[1][-1]
         ours = self._hasher.hash_tokens(
-            event.token_ids, parent=parent, first_block_index=0 if parent is None else 1
+            event.token_ids,
+            parent=parent,
+            first_block_index=0 if parent is None else 1,
+            cache_salt=_salt_of(event),
         )
         per = event.block_size // self._hasher.block_size
         bit = MEDIUM_BIT[medium]
@@ -270,3 +278,14 @@ class EngineHashMap:
                 self._blocks -= len(hashes)
             self.stats.removed += 1
         return RemoveOp(medium, tuple(gone)) if gone else None
+
+
+def _salt_of(event: BlockStored) -> str | None:
+    """The ``cache_salt`` of a chain's first block (``extra_keys[0] == (salt,)``), else None."""
+    extra = event.extra_keys
+    if not extra or event.parent_block_hash is not None:
+        return None
+    first = extra[0]
+    if isinstance(first, (list, tuple)) and len(first) == 1 and isinstance(first[0], str):
+        return first[0] or None
+    return None

@@ -11,6 +11,11 @@ store on this worker (a bounded memory), otherwise it is skipped and counted.
 Blocks of a LoRA adapter's requests (:meth:`KVEventRelay.mark_adapter`, and any block whose
 parent is one) are published with the adapter's ``lora_id`` and ``lora_name`` as vLLM does, so
 a router never takes them for base-model blocks.
+
+The first block of a request with a ``cache_salt`` (:meth:`KVEventRelay.mark_salted`) is
+published with ``extra_keys`` ``[(salt,), None, ...]``, vLLM's form (the salt is block 0's only
+extra key), so a router hashes it under the same salt and never takes it for an unsalted block;
+its descendants carry the salt through their parent.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class KVEventRelay:
         self._token_memory = token_memory
         self._adapters: OrderedDict[BlockHash, tuple[int, str]] = OrderedDict()
         """Block hash -> (lora_id, lora_name) of adapter blocks (bounded like the tokens)."""
+        self._salts: OrderedDict[BlockHash, str] = OrderedDict()
+        """First block's hash -> its ``cache_salt`` (bounded like the tokens)."""
         self._sources: list[OffloadEventSource] = []
         self._task: asyncio.Task[None] | None = None
         self.published_batches = 0
@@ -83,6 +90,13 @@ class KVEventRelay:
             self._adapters.move_to_end(block_hash)
         while len(self._adapters) > self._token_memory:
             self._adapters.popitem(last=False)
+
+    def mark_salted(self, first_block: BlockHash, cache_salt: str) -> None:
+        """``first_block`` (a prompt's block 0) was hashed under ``cache_salt``."""
+        self._salts[first_block] = cache_salt
+        self._salts.move_to_end(first_block)
+        while len(self._salts) > self._token_memory:
+            self._salts.popitem(last=False)
 
     def _adapter_of(
         self, block_hash: BlockHash, parent: BlockHash | None
@@ -143,6 +157,7 @@ class KVEventRelay:
             and last.block_hashes[-1] == parent
             and last.lora_name == lora_name
         ):
+            extra = last.extra_keys
             self._pending[-1] = BlockStored(
                 block_hashes=(*last.block_hashes, block_hash),
                 parent_block_hash=last.parent_block_hash,
@@ -151,9 +166,11 @@ class KVEventRelay:
                 lora_id=lora_id,
                 medium=medium.value,
                 lora_name=lora_name,
+                extra_keys=None if extra is None else (*extra, None),
                 group_idx=PREFIX_GROUP,
             )
             return
+        salt = self._salts.get(block_hash) if parent is None else None
         self._pending.append(
             BlockStored(
                 block_hashes=(block_hash,),
@@ -163,6 +180,7 @@ class KVEventRelay:
                 lora_id=lora_id,
                 medium=medium.value,
                 lora_name=lora_name,
+                extra_keys=None if salt is None else ((salt,),),
                 group_idx=PREFIX_GROUP,
             )
         )

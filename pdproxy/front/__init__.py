@@ -9,6 +9,7 @@ check and an admission slot come before the body is read.
 :mod:`~pdproxy.front.protocol` (uvicorn's protocol reporting disconnects, gating connections),
 :mod:`~pdproxy.front.connections` (connections waiting for a request head: deadline, budgets),
 :mod:`~pdproxy.front.intake` (key, size, body, ``kv_transfer_params`` gate),
+:mod:`~pdproxy.front.tenants` (each tenant's ``cache_salt``, ``cached_tokens`` hidden),
 :mod:`~pdproxy.front.admission` (global and per-model slots),
 :mod:`~pdproxy.front.cancel` (the client leaving cancels the request),
 :mod:`~pdproxy.front.responses` (OpenAI-shaped errors).

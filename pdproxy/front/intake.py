@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NewType
 
 import orjson
 from starlette.datastructures import Headers
@@ -58,27 +58,59 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+TenantId = NewType("TenantId", str)
+"""Whose prefix cache a request may use: ``name:<tenant>`` for a key's configured ``tenant``,
+``key:<sha-256 of the key>`` for a key of its own (never the key itself)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request, as far as the proxy's gates care (:meth:`ClientKeys.authenticate`)."""
+
+    trusted: bool
+    """May send its own ``kv_transfer_params``."""
+    tenant: TenantId | None
+    """Its tenant; None when every caller shares one cache (no keys, or ``share_prefixes``)."""
+    sees_cached_tokens: bool
+    """Its answers show the engine's ``cached_tokens`` (else 0)."""
+
+
+ANONYMOUS = Caller(trusted=False, tenant=None, sees_cached_tokens=True)
+"""Every caller when no keys are configured: one tenant, nothing to hide from anyone."""
+
+
+def _caller(key: ApiKey, digest: bytes, share_prefixes: bool) -> Caller:
+    tenant = None
+    if not share_prefixes:
+        tenant = TenantId(f"name:{key.tenant}" if key.tenant is not None else f"key:{digest.hex()}")
+    return Caller(key.trusted, tenant, key.see_cached_tokens)
+
+
 class ClientKeys:
     """The configured client keys; none configured means no authentication."""
 
-    def __init__(self, keys: list[ApiKey]) -> None:
+    def __init__(self, keys: list[ApiKey], *, share_prefixes: bool = False) -> None:
         # Keyed by digest: a dict lookup compares the presented value with a stored one byte by
         # byte, and that timing may only ever reveal digests, never a prefix of a real key.
-        self._trusted = {_digest(k.key.get_secret_value()): k.trusted for k in keys}
+        # Each key's caller is made once here: a request costs one lookup.
+        self._callers: dict[bytes, Caller] = {}
+        for k in keys:
+            digest = _digest(k.key.get_secret_value())
+            self._callers[digest] = _caller(k, digest, share_prefixes)
 
     @property
     def required(self) -> bool:
-        return bool(self._trusted)
+        return bool(self._callers)
 
-    def authenticate(self, headers: Headers) -> bool:
-        """Check the caller's bearer key; return whether it is trusted. 401 if wrong."""
-        if not self._trusted:
-            return False
+    def authenticate(self, headers: Headers) -> Caller:
+        """Check the caller's bearer key; say who it is. 401 if wrong."""
+        if not self._callers:
+            return ANONYMOUS
         token = bearer_token(headers)
-        trusted = self._trusted.get(_digest(token)) if token is not None else None
-        if trusted is None:
+        caller = self._callers.get(_digest(token)) if token is not None else None
+        if caller is None:
             raise ClientRequestError(401, "invalid or missing API key", code="invalid_api_key")
-        return trusted
+        return caller
 
 
 class _Deadline:

@@ -1,14 +1,14 @@
 """The request path: one client request → producer leg (maybe) → consumer leg → client.
 
-In order (:meth:`RequestPath._serve`): the client key (401), an admission slot (429 at once when
-the queue is full; a client leaving while queued is heard, :mod:`pdproxy.front.admission`), the
-body (413 past the size limit, 408 past the read deadline), the ``kv_transfer_params`` gate
-(400), the model (404 when no backend serves it; :mod:`pdproxy.fleet.models`) and its
-per-model admission slot (429), the candidates (filtered by model, role, dialect and
-routability before the router ranks them), the route, the producer phase
+In order (:meth:`RequestPath._serve`): the client key (401), an admission slot (429 at once when the
+queue is full; a client leaving while queued is heard, :mod:`pdproxy.front.admission`), the body
+(413 past the size limit, 408 past the read deadline), the ``kv_transfer_params`` gate (400), the
+tenant's ``cache_salt`` (:mod:`pdproxy.front.tenants`), the model (404 when no backend serves it;
+:mod:`pdproxy.fleet.models`) and its per-model admission slot (429), the candidates (filtered by
+model, role, dialect and routability before the router ranks them), the route, the producer phase
 (:mod:`pdproxy.request.producer`; consumer-only fallback when it fails), the consumer phase
-(:mod:`pdproxy.request.consumer`; when every consumer leg carrying the producer's KV failed
-with a server error, one more leg without it on the consumer that answered).
+(:mod:`pdproxy.request.consumer`; when every consumer leg carrying the producer's KV failed with a
+server error, one more leg without it on the consumer that answered).
 
 Two objects go down the line. The :class:`~pdproxy.request.lease.RequestLease` holds what the
 request takes and gives it back once, when the :class:`LeasedResponse` this path returns has
@@ -59,6 +59,7 @@ from pdproxy.front.intake import (
 )
 from pdproxy.front.protocol import DISCONNECT_HOOK
 from pdproxy.front.responses import client_error_response, error_response
+from pdproxy.front.tenants import CachedTokensHidden, CacheSalts
 from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.observe.trace_context import trace_headers
 from pdproxy.request.consumer import ConsumerPhase, ConsumerResult
@@ -122,6 +123,9 @@ class RequestPath:
         self._fallback = settings.retries.fallback_to_consumer
         self._server_timing = settings.server_timing
         self._debug_headers = settings.debug_headers
+        secret = settings.tenants.with_secret().salt_secret
+        assert secret is not None
+        self._salts = CacheSalts(secret.get_secret_value().encode())
         self._releaser = SupplyReleaser(upstream, metrics)
         retry = RetryPolicy(settings.retries, metrics)
         self._producers = ProducerPhase(upstream, retry, metrics)
@@ -183,7 +187,8 @@ class RequestPath:
         """The client's answer. What the request takes goes into ``lease``, what it did into
         ``record``; a refusal or the client leaving raises (:meth:`handle` answers those)."""
         # The client: its key, an admission slot, its body.
-        trusted = self._keys.authenticate(headers)
+        caller = self._keys.authenticate(headers)
+        record.hides_cached_tokens = not caller.sees_cached_tokens
         check_declared_size(headers, self._max_body)
         received = None
         if not lease.admit_now():
@@ -192,7 +197,11 @@ class RequestPath:
             record.stage = "read"
         raw = await read_body(request.receive, self._max_body, self._body_timeout_s, received)
         body = decode_body(raw)
-        passthrough = check_kv_params(body.data, trusted)
+        passthrough = check_kv_params(body.data, caller.trusted)
+        # The tenant's salt, once: the router hashes the body both legs carry. A trusted caller
+        # passing its own kv_transfer_params runs the other leg itself, with its own salt.
+        if not passthrough:
+            body = self._salts.salted(caller, body)
         lease.canceller = RequestCanceller(request.receive, request.scope.get(DISCONNECT_HOOK))
         if record.client_request_id is not None:
             log.debug("request %s: client id %s", record.request_id, record.client_request_id)
@@ -416,7 +425,9 @@ class LeasedResponse(Response):
             answer.raw_headers = self.raw_headers
             if isinstance(answer, Relay):
                 record.stage = "stream"
-                end = await answer.run(send)
+                end = await answer.run(
+                    CachedTokensHidden(send) if record.hides_cached_tokens else send
+                )
                 ok = end.ok
                 record.consumer = end.consumer
                 record.cached_tokens = end.cached_tokens

@@ -75,8 +75,8 @@ class RequestRecord:
 
     __slots__ = (
         "cached_tokens", "client_request_id", "consumer", "consumer_first_byte_s", "dialect",
-        "endpoint", "fallback", "producer", "producer_s", "request_id", "retries", "route_s",
-        "stage", "t0",
+        "endpoint", "fallback", "hides_cached_tokens", "producer", "producer_s", "request_id",
+        "retries", "route_s", "stage", "t0",
     )  # fmt: skip
 
     def __init__(
@@ -101,6 +101,9 @@ class RequestRecord:
         """The consumer that answered (a refusal included); after a migration, the last one."""
         self.cached_tokens: int | None = None
         """``usage.prompt_tokens_details.cached_tokens`` from the consumer, when reported."""
+        self.hides_cached_tokens = False
+        """The client may not see ``cached_tokens``: its answer shows 0 (the figure above stays
+        the engine's, for the metrics)."""
         self.route_s = 0.0
         self.producer_s = 0.0
         self.consumer_first_byte_s = 0.0

@@ -8,6 +8,7 @@ Sources, highest priority first: keyword arguments (the CLI), environment variab
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +52,34 @@ class ApiKey(BaseModel):
     key: SecretStr
     trusted: bool = False
     """Trusted callers may send their own ``kv_transfer_params``."""
+    tenant: str | None = Field(default=None, min_length=1, max_length=256)
+    """The tenant this key belongs to: keys naming the same tenant share its prefix cache.
+    Unset: the key is a tenant of its own (see ``docs/security.md``, "Tenants")."""
+    see_cached_tokens: bool = False
+    """Answers to this key show the engine's ``cached_tokens``; to any other key they show 0,
+    so that a key cannot learn which prompts its own tenant's other keys sent."""
+
+
+class TenantSettings(BaseModel):
+    """Prefix-cache isolation between tenants (keys, or keys sharing a ``tenant`` name). Without
+    ``api_keys`` every client is one tenant and nothing here applies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    share_prefixes: bool = False
+    """Let every tenant's prompts share cache entries (the engines' default): faster for common
+    system prompts, but each tenant's ``cached_tokens`` and latency then tell which prompts
+    other tenants sent. Off: each request's ``cache_salt`` is derived from its tenant."""
+    salt_secret: SecretStr | None = Field(default=None, min_length=16)
+    """Key of the HMAC that derives each tenant's ``cache_salt``. Unset: a random one is made at
+    start (shared by ``serve --workers N``); set it when several proxies serve one fleet, or
+    their tenants' caches are split between them (a restart with a new one cools caches)."""
+
+    def with_secret(self) -> TenantSettings:
+        """These settings with ``salt_secret`` set (a random one made now when unset)."""
+        if self.salt_secret is not None:
+            return self
+        return self.model_copy(update={"salt_secret": SecretStr(secrets.token_hex(32))})
 
 
 class AdmissionSettings(BaseModel):
@@ -178,7 +207,9 @@ class ProxySettings(BaseSettings):
     every other key; the load-only routers have none."""
 
     api_keys: list[ApiKey] = Field(default_factory=list)
-    """Client keys; empty means no client authentication."""
+    """Client keys; empty means no client authentication (and one tenant for everyone)."""
+    tenants: TenantSettings = Field(default_factory=TenantSettings)
+    """Prefix-cache isolation between the tenants of ``api_keys``."""
     admin_key: SecretStr | None = None
     """Bearer key for ``/admin``; the admin API is off when unset."""
 

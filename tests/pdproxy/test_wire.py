@@ -118,6 +118,11 @@ async def test_nixl_legs_follow_the_rules(
     [prod] = p.completions()
     [cons] = d.completions()
     assert prod.path == cons.path == path
+    # Both legs carry the key's tenant salt (derived, never the client's own: issue 30).
+    salt = prod.json()["cache_salt"]
+    assert salt == cons.json()["cache_salt"] != client.get("cache_salt")
+    assert len(salt) == 64
+    client = {**client, "cache_salt": salt}
     assert prod.json() == expected_producer_leg(client, NIXL_PRODUCER)
     # The consumer gets the producer's returned object verbatim.
     answered = nixl_producer_answer("P", prod.headers["x-request-id"], "127.0.0.1")

@@ -149,6 +149,8 @@ class CompletionHandler:
             return error_response(503, str(exc), err_type="ServiceUnavailableError")
         if lora is not None:  # before any of its blocks can be stored (installed remote ones too)
             self.worker.events.mark_adapter(req.hashes.hashes, lora.lora_id, lora.name)
+        if body.cache_salt and req.hashes.hashes:  # likewise: block 0's event names its salt
+            self.worker.events.mark_salted(req.hashes.hashes[0], body.cache_salt)
         try:
             source = pull_source(leg)
             if isinstance(leg, ConsumerLeg) and connector is not None:

@@ -112,6 +112,24 @@ async def test_unrepresentable_events_are_skipped(
     assert await index.match(hasher.hash_tokens(TOKENS)) == {}
 
 
+async def test_a_salted_chain_matches_only_the_same_salt(
+    index: ResidencyIndex, hasher: BlockHasher
+) -> None:
+    """Block 0's only extra key a string (vLLM's form for ``cache_salt``): indexed under that
+    salt, so a request of the same tenant matches it and no other request does."""
+    eng = FakeEngine()
+    salted = eng.stored(TOKENS, 0, 3, extra_keys=(("tenant-a",), None, None))
+    await index.apply(A, batch(salted, eng.stored(TOKENS, 3, 5)))
+    assert await index.match(hasher.hash_tokens(TOKENS, cache_salt="tenant-a")) == {A: full(5)}
+    assert await index.match(hasher.hash_tokens(TOKENS, cache_salt="tenant-b")) == {}
+    assert await index.match(hasher.hash_tokens(TOKENS)) == {}
+    # Other extra keys (multimodal hashes, a salt past block 0) stay unrepresentable.
+    for extra in ((("x", 3),), (None, ("late",)), ((7,),)):
+        await index.apply(B, batch(eng.stored(OTHER, 0, len(extra), extra_keys=extra)))
+    for salt in (None, "x", "late"):
+        assert await index.match(hasher.hash_tokens(OTHER, cache_salt=salt)) == {}
+
+
 async def test_nodes_are_independent(index: ResidencyIndex, hasher: BlockHasher) -> None:
     eng = FakeEngine()
     await index.apply(A, batch(eng.stored(TOKENS, 0, 6)))
