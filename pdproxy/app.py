@@ -106,7 +106,9 @@ class ProxyState:
         self.health = HealthChecker(
             settings.health, self.registry, self.upstream, self.metrics, on_healthy=learner
         )
-        self.models = ModelList(self.registry, self.upstream, settings.models_cache_s)
+        self.models = ModelList(
+            self.registry, self.upstream, settings.models_cache_s, settings.models.max_list_bytes
+        )
         self.tracer = build_request_tracer(settings.tracing, span_exporter)
         self.membership = MembershipService(
             settings.membership, self.registry, clock=clock,
