@@ -91,6 +91,7 @@ class ProxyState:
         self.catalog = ModelCatalog(settings.models, self.registry)
         self.model_admission = ModelAdmission(settings.models)
         self.model_metrics = ModelMetrics(self.metrics.registry, self.model_admission)
+        self.catalog.on_forget(self.model_admission.forget)
         self.router = (
             router
             if router is not None

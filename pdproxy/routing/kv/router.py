@@ -128,6 +128,8 @@ class KvRouter:
             engine.readings.on_pull = lambda node, m: pull.measured(m.nbytes, m.seconds)
         self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self.closed = False
+        """True once :meth:`close` has run (its feeds, tasks and state let go)."""
 
     def find(self, kind: type[S]) -> S | None:
         """This router's scorer of type ``kind``, if the registry has one."""
@@ -164,6 +166,7 @@ class KvRouter:
         await self.state.close()
         for close in self._on_close:
             await close()
+        self.closed = True
 
     @property
     def hasher(self) -> BlockHasher:
