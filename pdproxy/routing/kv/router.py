@@ -122,7 +122,10 @@ class KvRouter:
             leases=state.leases,
             on_rank_refused=lambda node: metrics.events_rank_refused.labels(node).inc(),
             exactness=exactness.exactness if exactness is not None else None,
+            max_message_bytes=settings.event_max_message_bytes,
+            apply_blocks=settings.event_apply_blocks,
         )
+        metrics.follow_feeds(self.feeds, state.index)
         engine, pull = self.find(EngineLoadScorer), self.find(PullScorer)
         if engine is not None and pull is not None:
             engine.readings.on_pull = lambda node, m: pull.measured(m.nbytes, m.seconds)
