@@ -1,5 +1,7 @@
 """Admin API: list, add, remove and drain backends at run time (admin key required);
-``GET /admin/members`` lists the backends DNS discovery and worker registration added.
+``GET /admin/members`` lists the backends DNS discovery and worker registration added and the
+removed ones no source may bring back; ``POST /admin/members/{name}/readmit`` takes a removal
+back; ``POST /admin/registration/reload-keys`` re-reads the registration keys now.
 
 Off unless ``admin_key`` is set. Changes live in memory only: the config file stays the
 source of truth on restart.
@@ -73,6 +75,8 @@ class AdminApi:
             Route("/admin/backends/{name}/drain", self._drain, methods=["POST"]),
             Route("/admin/backends/{name}/undrain", self._undrain, methods=["POST"]),
             Route("/admin/members", self._members, methods=["GET"]),
+            Route("/admin/members/{name}/readmit", self._readmit, methods=["POST"]),
+            Route("/admin/registration/reload-keys", self._reload_keys, methods=["POST"]),
         ]
 
     def refusal(self, headers: Headers) -> Response | None:
@@ -98,8 +102,40 @@ class AdminApi:
     async def _members(self, request: Request) -> Response:
         if (refused := self.refusal(request.headers)) is not None:
             return refused
-        members = self._membership.view() if self._membership is not None else []
-        return _json({"members": members})
+        if self._membership is None:
+            return _json({"members": [], "removed": []})
+        removed = [
+            {"name": name, "source": source, "owner": owner}
+            for name, (source, owner) in sorted(self._membership.membership.removed().items())
+        ]
+        return _json({"members": self._membership.view(), "removed": removed})
+
+    async def _readmit(self, request: Request) -> Response:
+        """A removed member's source may add it again (its removal stuck until now)."""
+        if (refused := self.refusal(request.headers)) is not None:
+            return refused
+        name = request.path_params["name"]
+        if self._membership is None or not self._membership.membership.readmit(name):
+            return error_response(
+                404, f"no removed member {name!r}", error_type="invalid_request_error",
+                code="unknown_member",
+            )  # fmt: skip
+        return _json({"name": name, "readmitted": True})
+
+    async def _reload_keys(self, request: Request) -> Response:
+        """Re-read the registration keys now (revoked keys' backends drain at once)."""
+        if (refused := self.refusal(request.headers)) is not None:
+            return refused
+        change = (
+            self._membership.registration.reload_keys() if self._membership is not None else None
+        )
+        return _json(
+            {
+                "changed": change is not None,
+                "added": len(change.added) if change is not None else 0,
+                "revoked": len(change.revoked) if change is not None else 0,
+            }
+        )
 
     async def _add(self, request: Request) -> Response:
         if (refused := self.refusal(request.headers)) is not None:

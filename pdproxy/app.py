@@ -91,6 +91,7 @@ class ProxyState:
         self.catalog = ModelCatalog(settings.models, self.registry)
         self.model_admission = ModelAdmission(settings.models)
         self.model_metrics = ModelMetrics(self.metrics.registry, self.model_admission)
+        self.catalog.on_forget(self.model_admission.forget)
         self.router = (
             router
             if router is not None
@@ -106,7 +107,9 @@ class ProxyState:
         self.health = HealthChecker(
             settings.health, self.registry, self.upstream, self.metrics, on_healthy=learner
         )
-        self.models = ModelList(self.registry, self.upstream, settings.models_cache_s)
+        self.models = ModelList(
+            self.registry, self.upstream, settings.models_cache_s, settings.models.max_list_bytes
+        )
         self.tracer = build_request_tracer(settings.tracing, span_exporter)
         self.membership = MembershipService(
             settings.membership, self.registry, clock=clock,

@@ -299,15 +299,25 @@ class EventSubscriber:
                 self.stats.disconnects += 1
                 self._publisher_lost = True
                 self._gap(None)
-                self._reconnect()
+                await self._reconnect()
 
-    def _reconnect(self) -> None:
+    async def _reconnect(self) -> None:
         """After a drop, connect afresh: libzmq does not reconnect a connection it dropped for
         a protocol error (a message over ``max_message_bytes``), and after any other drop this
-        replaces its own reconnection (an explicit disconnect reports no further drop)."""
+        replaces its own reconnection (an explicit disconnect reports no further drop).
+
+        Only once the messages the dropped connection delivered are read: disconnecting while
+        some are still queued made libzmq abort the whole process (``Assertion failed: !_more
+        (src/fq.cpp:80)``, libzmq 4.3.5) when a publisher that had sent large batches to a
+        slower subscriber went away: any publisher could kill the proxy."""
         sub = self._sub
         if sub is None or self._closed or "*" in self.endpoint:
             return  # a bound subscriber: the publisher reconnects to it
+        # The receive loop drains the queue; libzmq offers no event for "queue empty".
+        while _readable(sub):
+            await asyncio.sleep(0.05)
+            if self._sub is not sub:
+                return  # closed meanwhile
         try:
             with contextlib.suppress(zmq.ZMQError):
                 sub.disconnect(self.endpoint)
@@ -398,3 +408,9 @@ class EventSubscriber:
             )
         finally:
             sock.close(linger=0)
+
+
+def _readable(sock: zmq.asyncio.Socket) -> bool:
+    """A message is queued on ``sock``."""
+    events = sock.getsockopt(zmq.EVENTS)
+    return isinstance(events, int) and bool(events & zmq.POLLIN)

@@ -27,7 +27,8 @@ call would fan out to every backend: a cheap way to load them all. One fan-out a
 every caller that arrives while it runs; its answer is reused for ``cache_s``.
 
 A backend's ``/v1/models`` answer is untrusted input: one larger than ``models.max_list_bytes``
-is not parsed, and a large one is parsed on a worker thread, not on the event loop.
+is read no further than that (the connection is dropped, not reused) and not parsed; a large
+one is parsed on a worker thread, not on the event loop.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any
 
 import orjson
 
-from pdproxy.errors import ClientRequestError, ModelNotFound
+from pdproxy.errors import ClientRequestError, ModelNotFound, ResponseTooLarge
 from pdproxy.fleet.backends import Backend, BackendRegistry
 from pdproxy.settings.models import MODEL_NAME_MAX, ModelsSettings, check_model_name
 from pdproxy.upstream.client import Upstream
@@ -242,15 +243,18 @@ async def read_model_list(
     had (an error status, a failure, an answer over ``max_bytes``, not a list)."""
     headers = {"authorization": backend.auth_header} if backend.auth_header else None
     try:
-        status, body = await upstream.get(backend.url + "/v1/models", headers)
+        try:
+            status, body = await upstream.get(
+                backend.url + "/v1/models", headers, max_bytes=max_bytes
+            )
+        except ResponseTooLarge:
+            log.warning(
+                "models of %s: answer over models.max_list_bytes (%d): not read further",
+                backend.name, max_bytes,
+            )  # fmt: skip
+            return None
         if status >= 400:
             log.debug("models of %s: status %d", backend.name, status)
-            return None
-        if len(body) > max_bytes:
-            log.warning(
-                "models of %s: a %d-byte answer, over models.max_list_bytes (%d): not read",
-                backend.name, len(body), max_bytes,
-            )  # fmt: skip
             return None
         if len(body) > _INLINE_PARSE_BYTES:
             return await asyncio.to_thread(_entries, body)

@@ -8,7 +8,9 @@ model's ``limits``) once the body has said which model a request is for.
 
 Per-model metrics. The ``model`` label takes only names the model catalog knows (configured,
 or learned from backends up to ``models.max_learned``) and ``other``: never a string a client
-chose, so the number of series stays bounded.
+chose, so the number of series stays bounded. A learned name the catalog forgets (no backend
+lists it any more: :meth:`ModelAdmission.forget`) loses its bucket and its series once nothing
+is in flight or queued for it, so names that come and go do not pile up.
 
 Waiting for an admission slot while still hearing the client leave.
 
@@ -151,9 +153,13 @@ class ModelAdmission:
     def __init__(self, settings: ModelsSettings) -> None:
         self._settings = settings
         self._buckets: dict[str, _ModelBucket] = {}
+        self._forgotten: set[str] = set()
+        """Forgotten labels whose bucket still has requests in flight or queued."""
         self.on_release: Callable[[str, int], None] | None = None
         """Called with (model label, status) as each slot is released (metrics)."""
         self.on_refused: Callable[[str], None] | None = None
+        self.on_dropped: Callable[[str], None] | None = None
+        """Called with a forgotten label once its bucket is dropped (its series go too)."""
 
     def _bucket(self, label: str) -> _ModelBucket:
         bucket = self._buckets.get(label)
@@ -164,6 +170,7 @@ class ModelAdmission:
     async def acquire(self, label: str) -> ModelSlot:
         """Raises :class:`Overloaded` (429) when the model's queue is full or the wait timed
         out; a cancelled wait gives its place back."""
+        self._forgotten.discard(label)  # named again: known again
         bucket = self._bucket(label)
         if bucket.admission is not None:
             try:
@@ -171,8 +178,39 @@ class ModelAdmission:
             except Overloaded:
                 if self.on_refused is not None:
                     self.on_refused(label)
+                self._drop_if_idle(label)
                 raise
-        return ModelSlot(label, bucket, self.on_release)
+            except BaseException:  # cancelled while queued
+                self._drop_if_idle(label)
+                raise
+        return ModelSlot(label, bucket, self._released)
+
+    def forget(self, names: tuple[str, ...]) -> None:
+        """The model catalog forgot ``names`` (:meth:`ModelCatalog.on_forget`; on the loop):
+        each one's bucket is dropped now if idle, else when its last request leaves."""
+        for label in names:
+            if label in self._buckets:
+                self._forgotten.add(label)
+                self._drop_if_idle(label)
+
+    def _released(self, label: str, status: int) -> None:
+        if self.on_release is not None:
+            self.on_release(label, status)
+        self._drop_if_idle(label)
+
+    def _drop_if_idle(self, label: str) -> None:
+        if label not in self._forgotten:
+            return
+        bucket = self._buckets.get(label)
+        if bucket is not None:
+            if bucket.in_flight or (bucket.admission is not None and bucket.admission.active):
+                return
+            if bucket.admission is not None and bucket.admission.queue_depth:
+                return
+            del self._buckets[label]
+        self._forgotten.discard(label)
+        if self.on_dropped is not None:
+            self.on_dropped(label)
 
     def snapshot(self) -> list[tuple[str, int, int]]:
         """(label, in flight, queued) per model seen so far."""
@@ -216,11 +254,22 @@ class ModelMetrics:
             registry=registry,
         )
         registry.register(_ModelLoad(admission))
+        self._statuses: dict[str, set[str]] = {}
+        """Statuses counted per label (to remove a forgotten label's series)."""
         admission.on_release = self.count
         admission.on_refused = lambda label: self.refused.labels(label).inc()
+        admission.on_dropped = self.drop
 
     def count(self, label: str, status: int) -> None:
-        self.requests.labels(label, str(status)).inc()
+        code = str(status)
+        self._statuses.setdefault(label, set()).add(code)
+        self.requests.labels(label, code).inc()
+
+    def drop(self, label: str) -> None:
+        """Remove a forgotten model's series."""
+        for code in self._statuses.pop(label, ()):
+            self.requests.remove(label, code)
+        self.refused.remove(label)
 
 
 async def wait_for_slot(admit: Awaitable[None], receive: Receive) -> list[Message]:

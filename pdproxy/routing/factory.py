@@ -122,6 +122,12 @@ def build_per_model_router(
 
     if metrics_registry is not None:
         metrics_registry.register(view)
-    return PerModelRouter(
-        default=default, build=build, configured=catalog.configured(), known=catalog.known
+    router = PerModelRouter(
+        default=default,
+        build=build,
+        configured=catalog.configured(),
+        known=catalog.known,
+        dropped=view.remove,
     )
+    catalog.on_forget(router.forget)
+    return router

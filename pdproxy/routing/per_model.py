@@ -20,6 +20,11 @@ a model the catalog does not know, goes to the default router (the top-level opt
 events: every backend's events belong to some model's router). Each
 router registers its metrics on a registry of its own; :class:`RouterMetricsView` shows them
 all on the proxy's ``/metrics``, the per-model ones with a ``model`` label.
+
+A learned model the catalog forgets (no backend lists it any more) loses its router and its
+series: :meth:`PerModelRouter.forget`, registered with ``ModelCatalog.on_forget`` by the router
+factory. Registrants that announce names and leave would otherwise leave a router (its event
+feeds, its background tasks) and a metric family's worth of series behind per name.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ class RouterMetricsView(Collector):
     def add(self, model: str | None, registry: CollectorRegistry) -> None:
         self._sources.append((model, registry))
 
+    def remove(self, model: str) -> None:
+        """Stop showing ``model``'s router metrics (the catalog forgot the model)."""
+        self._sources = [(m, r) for m, r in self._sources if m != model]
+
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         for model, registry in list(self._sources):
@@ -81,10 +90,16 @@ class PerModelRouter:
         build: Callable[[str], Router],
         configured: Sequence[str],
         known: Callable[[], Sequence[str]],
+        dropped: Callable[[str], None] | None = None,
     ) -> None:
+        """``dropped(model)``: called as a forgotten model's router is let go (its metrics)."""
         self._default = default
         self._build = build
         self._known = known
+        self._configured = frozenset(configured)
+        self._dropped = dropped
+        self._closing: set[asyncio.Task[None]] = set()
+        """Forgotten models' routers being closed (awaited by :meth:`close`)."""
         # Configured models' routers are built now, so bad options fail at configuration time.
         self._routers: dict[str, Router] = {model: build(model) for model in configured}
         self._owners: dict[str, Router] = {}
@@ -103,7 +118,35 @@ class PerModelRouter:
             await router.start()
         self._started = True
 
+    def forget(self, names: tuple[str, ...]) -> None:
+        """The catalog forgot ``names`` (``ModelCatalog.on_forget``: on the loop, must not
+        block): their routers leave the map now and are closed in the background; requests
+        already decided by one finish on it. Configured models' routers are kept."""
+        for name in names:
+            if name in self._configured:
+                continue
+            router = self._routers.pop(name, None)
+            if router is None:
+                continue
+            if self._dropped is not None:
+                self._dropped(name)
+            task = asyncio.get_running_loop().create_task(
+                self._close_forgotten(name, router), name=f"close router of {name}"
+            )
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            log.info("KV router for model %r closed: no backend lists it any more", name)
+
+    @staticmethod
+    async def _close_forgotten(name: str, router: Router) -> None:
+        try:
+            await router.close()
+        except Exception:
+            log.exception("closing the router of forgotten model %r failed", name)
+
     async def close(self) -> None:
+        closing, self._closing = list(self._closing), set()
+        await asyncio.gather(*closing, return_exceptions=True)
         routers = [*self._routers.values(), self._default]
         self._routers = {}
         for router in routers:

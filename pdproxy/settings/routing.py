@@ -24,6 +24,13 @@ from pdproxy.settings.scorers import (
     PullSettings,
 )
 
+# kvtier's defaults, written out: loading the settings loads no part of the runtime (zmq).
+# tests/pdproxy/routing/test_kv_event_floods.py checks they still match.
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+"""``kvtier.events.subscriber.DEFAULT_MAX_MESSAGE_BYTES``."""
+DEFAULT_MAX_BLOCKS_PER_NODE = 1 << 18
+"""``kvtier.residency.translate.DEFAULT_MAX_BLOCKS_PER_NODE``."""
+
 
 class TokenizerKind(StrEnum):
     BYTES = "bytes"
@@ -164,6 +171,25 @@ class KvRouterSettings(BaseModel):
     )
     replay: dict[str, str] = Field(
         default_factory=dict, description="backend name -> its KV event replay endpoint"
+    )
+    event_max_message_bytes: int = Field(
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        gt=0,
+        description="largest KV event message read (live and replay sockets); a larger one "
+        "drops its connection unread (ZMQ_MAXMSGSIZE) and counts as a disconnect or a replay "
+        "timeout of its node",
+    )
+    max_blocks_per_node: int = Field(
+        default=DEFAULT_MAX_BLOCKS_PER_NODE,
+        ge=1,
+        description="router blocks indexed per node from its events; past it the node's "
+        "oldest blocks are forgotten (pdproxy_kv_router_index_evicted_blocks)",
+    )
+    event_apply_blocks: int = Field(
+        default=1024,
+        ge=1,
+        description="a KV event batch is applied in slices of about this many blocks, the "
+        "event loop free between slices (a 4 MiB batch must not stall other requests)",
     )
     tokenizer: TokenizerSettings = Field(default_factory=TokenizerSettings)
     events_curve: EventsCurveSettings | None = Field(

@@ -146,9 +146,12 @@ class Upstream:
             await resp.read()
         return resp.status
 
-    async def get(self, url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        """A short GET (health checks, model lists)."""
+    async def get(
+        self, url: str, headers: dict[str, str] | None = None, *, max_bytes: int | None = None
+    ) -> tuple[int, bytes]:
+        """A short GET (health checks, model lists). An answer over ``max_bytes`` is read no
+        further (:class:`~pdproxy.errors.ResponseTooLarge`; its connection is not reused)."""
         pool, target = self._target(url)
         async with asyncio.timeout(self._timeouts.health_check_s):
             resp = await pool.request("GET", target, headers or {})
-            return resp.status, await resp.read()
+            return resp.status, await resp.read(max_bytes)

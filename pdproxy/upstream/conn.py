@@ -315,22 +315,27 @@ class Conn(asyncio.Protocol):
             finally:
                 self._waiter = None
 
-    async def read_all(self) -> bytes:
-        """The whole body, at most ``max_answer_bytes`` of it (else ResponseTooLarge)."""
+    async def read_all(self, max_bytes: int | None = None) -> bytes:
+        """The whole body, at most ``max_answer_bytes`` (or the smaller ``max_bytes``) of it,
+        else ResponseTooLarge: reading stops at the cap and the connection is aborted, so no
+        more of an oversized answer is buffered than the flow-control window."""
+        limit = (
+            self._max_answer_bytes if max_bytes is None else min(max_bytes, self._max_answer_bytes)
+        )
         if self.state == DONE and self._error is None:
             # Usually the whole answer arrived with its head: take it without awaiting.
             body = self._take_buffered()
-            if len(body) > self._max_answer_bytes:
+            if len(body) > limit:
                 self.abort()
-                raise ResponseTooLarge(f"answer exceeds {self._max_answer_bytes} bytes")
+                raise ResponseTooLarge(f"answer exceeds {limit} bytes")
             return body
         parts = []
         total = 0
         while chunk := await self.read_chunk():
             total += len(chunk)
-            if total > self._max_answer_bytes:
+            if total > limit:
                 self.abort()
-                raise ResponseTooLarge(f"answer exceeds {self._max_answer_bytes} bytes")
+                raise ResponseTooLarge(f"answer exceeds {limit} bytes")
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

@@ -65,13 +65,14 @@ class Response:
             raise HttpClientError("response already released or closed")
         return await conn.read_chunk()
 
-    async def read(self) -> bytes:
-        """The whole body; the connection goes back to the pool."""
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body; the connection goes back to the pool. Past ``max_bytes`` (or
+        ``max_answer_bytes``) reading stops: ResponseTooLarge, the connection closed."""
         conn = self._conn
         if conn is None:
             raise HttpClientError("response already released or closed")
         try:
-            body = await conn.read_all()
+            body = await conn.read_all(max_bytes)
         except BaseException:
             self.close()
             raise

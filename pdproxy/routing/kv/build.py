@@ -162,7 +162,7 @@ def build_state(
     """In process without ``index_url``; else one Redis client (single node or cluster, no
     retries) shared by the residency index and the load counters, under one guard."""
     if settings.index_url is None:
-        return LocalState(MemoryIndex(hasher))
+        return LocalState(MemoryIndex(hasher, max_blocks_per_node=settings.max_blocks_per_node))
     from kvtier.residency.redis_client import connect
     from kvtier.residency.redis_index import RedisIndex, RedisIndexSettings
     from pdproxy.routing.kv.shared_load import RedisLoad
@@ -178,7 +178,12 @@ def build_state(
     )
     index_settings = RedisIndexSettings.model_validate(
         # The guard bounds the index's calls from a decision (one deadline per call).
-        {"url": settings.index_url, "namespace": settings.key_prefix, "deadline_s": None}
+        {
+            "url": settings.index_url,
+            "namespace": settings.key_prefix,
+            "deadline_s": None,
+            "max_blocks_per_node": settings.max_blocks_per_node,
+        }
     )
     index = RedisIndex(hasher, index_settings, client=client, close_client=True)
     load = RedisLoad(

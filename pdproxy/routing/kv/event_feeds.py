@@ -20,6 +20,13 @@ Event sockets carry prompt token ids. With ``events_curve`` keys every subscript
 replay) is CURVE-encrypted and checks the worker's public key; a backend whose server key is not
 configured is refused a subscription (logged) rather than followed in plain text. Key files are
 read once, at construction; a missing or malformed one is a :class:`ConfigError` naming the file.
+
+Whoever publishes (or reaches a bound subscriber) may flood. No message past
+``max_message_bytes`` is read (the subscriber's ``ZMQ_MAXMSGSIZE``); the index keeps each node
+within its block budget (``max_blocks_per_node``, evicting the oldest); and a batch is applied in
+slices of about ``apply_blocks`` blocks, a long event split along its blocks (the split hashes
+the same: each piece continues the chain from its predecessor's last block), the loop yielded to
+between slices so that other requests go on while a large batch is applied.
 """
 
 from __future__ import annotations
@@ -27,13 +34,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.errors import EventSecurityError, ResidencyError
 from kvtier.events import EventBatch, EventSubscriber
 from kvtier.events.curve import CurveClient, load_client
+from kvtier.events.subscriber import DEFAULT_MAX_MESSAGE_BYTES
+from kvtier.events.types import BlockRemoved, BlockStored, KVEvent
 from kvtier.residency.types import NodeId, ResidencyIndex
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.dp_ranks import batch_rank_refused
@@ -59,8 +69,13 @@ class EventFeeds:
         on_rank_refused: Callable[[NodeId], None] | None = None,
         exactness: IndexExactness | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        apply_blocks: int = 1024,
     ) -> None:
-        """``exactness`` follows each stream's gaps, replays and losses."""
+        """``exactness`` follows each stream's gaps, replays and losses. ``max_message_bytes``:
+        each subscription's cap; ``apply_blocks``: the size of one applied slice (blocks)."""
+        self._max_message_bytes = max_message_bytes
+        self._apply_blocks = apply_blocks
         self._on_rank_refused = on_rank_refused
         self._exactness = exactness
         self._clock = clock
@@ -167,6 +182,7 @@ class EventFeeds:
             curve=self._keys.for_node(nid) if self._keys is not None else None,
             start_seq=start_seq,
             on_gap=on_gap,
+            max_message_bytes=self._max_message_bytes,
         )
         self._subs[nid] = sub
         await sub.start()
@@ -191,6 +207,18 @@ class EventFeeds:
             await self.unsubscribe(node)
 
     async def _apply(self, node: NodeId, batch: EventBatch, seq: int | None) -> None:
+        """Apply ``batch`` slice by slice, yielding to the loop between slices. Under a lease
+        the slices before the last record ``seq - 1``: a replica taking the stream over after a
+        partial batch replays it whole (stores and removals apply again to the same effect)."""
+        slices = list(batch_slices(batch, self._apply_blocks))
+        for i, piece in enumerate(slices):
+            if i:
+                await asyncio.sleep(0)
+            last = i == len(slices) - 1
+            if not await self._apply_slice(node, piece, seq if last or seq is None else seq - 1):
+                return
+
+    async def _apply_slice(self, node: NodeId, batch: EventBatch, seq: int | None) -> bool:
         try:
             if self.leases is None or seq is None:
                 await self._index.apply(node, batch)
@@ -199,21 +227,69 @@ class EventFeeds:
         except ResidencyError as exc:
             if self.leases is not None and "NOTOWNER" in str(exc):
                 self.leases.lost(node)
-                return
+                return False
             if node not in self._failing:
                 logger.warning("KV events for %s not applied (%s)", node, exc)
             self._failing.add(node)
             self._on_apply_error()
-            return
+            return False
         if node in self._failing:
             self._failing.discard(node)
             logger.info("KV events for %s apply again", node)
+        return True
 
     async def _forget(self, node: NodeId) -> None:
         try:
             await self._index.forget(node)
         except ResidencyError as exc:
             logger.warning("KV events for %s were lost and forget failed: %s", node, exc)
+
+
+def batch_slices(batch: EventBatch, blocks: int) -> Iterator[EventBatch]:
+    """``batch`` as consecutive batches of about ``blocks`` blocks each (one when it is small).
+    A long plain ``BlockStored`` or ``BlockRemoved`` is split along its blocks; an event that
+    cannot be split (per-block extra keys, inconsistent token count) stays whole."""
+    if sum(_blocks(e) for e in batch.events) <= blocks:
+        yield batch
+        return
+    pending: list[KVEvent] = []
+    size = 0
+    for event in batch.events:
+        for piece in _split(event, blocks):
+            n = _blocks(piece)
+            if pending and size + n > blocks:
+                yield EventBatch(batch.ts, tuple(pending), batch.data_parallel_rank)
+                pending, size = [], 0
+            pending.append(piece)
+            size += n
+    if pending:
+        yield EventBatch(batch.ts, tuple(pending), batch.data_parallel_rank)
+
+
+def _blocks(event: KVEvent) -> int:
+    return len(event.block_hashes) if isinstance(event, BlockStored | BlockRemoved) else 1
+
+
+def _split(event: KVEvent, blocks: int) -> Iterator[KVEvent]:
+    n = _blocks(event)
+    if n <= blocks:
+        yield event
+    elif isinstance(event, BlockRemoved):
+        for i in range(0, n, blocks):
+            yield replace(event, block_hashes=event.block_hashes[i : i + blocks])
+    elif not isinstance(event, BlockStored) or event.extra_keys is not None:
+        yield event
+    elif len(event.token_ids) != n * event.block_size:
+        yield event  # the translator skips it whole
+    else:
+        size = event.block_size
+        for i in range(0, n, blocks):
+            yield replace(
+                event,
+                block_hashes=event.block_hashes[i : i + blocks],
+                parent_block_hash=event.parent_block_hash if i == 0 else event.block_hashes[i - 1],
+                token_ids=event.token_ids[i * size : (i + blocks) * size],
+            )
 
 
 class _FeedKeys:

@@ -122,12 +122,17 @@ class KvRouter:
             leases=state.leases,
             on_rank_refused=lambda node: metrics.events_rank_refused.labels(node).inc(),
             exactness=exactness.exactness if exactness is not None else None,
+            max_message_bytes=settings.event_max_message_bytes,
+            apply_blocks=settings.event_apply_blocks,
         )
+        metrics.follow_feeds(self.feeds, state.index)
         engine, pull = self.find(EngineLoadScorer), self.find(PullScorer)
         if engine is not None and pull is not None:
             engine.readings.on_pull = lambda node, m: pull.measured(m.nbytes, m.seconds)
         self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self.closed = False
+        """True once :meth:`close` has run (its feeds, tasks and state let go)."""
 
     def find(self, kind: type[S]) -> S | None:
         """This router's scorer of type ``kind``, if the registry has one."""
@@ -164,6 +169,7 @@ class KvRouter:
         await self.state.close()
         for close in self._on_close:
             await close()
+        self.closed = True
 
     @property
     def hasher(self) -> BlockHasher:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from kvtier.events.subscriber import SubscriberStats
+from kvtier.residency.translate import TranslateStats
 from pdproxy.routing.base import RequestOutcome, RouteDecision
 
 _ROUTE_BUCKETS = (
@@ -84,6 +89,62 @@ class KvRouterMetrics:
             ["node"],
             registry=r,
         )
+
+    def follow_feeds(self, feeds: FollowedFeeds, index: object) -> None:
+        """Export per node what its subscription dropped and what the index evicted (read at
+        scrape time). ``index``: its ``translate_stats(node)`` is read when it has one."""
+        self.registry.register(_FeedCollector(feeds, index))
+
+
+class _Subscriber(Protocol):
+    @property
+    def stats(self) -> SubscriberStats: ...
+
+
+class FollowedFeeds(Protocol):
+    """What the collector reads of :class:`~pdproxy.routing.kv.event_feeds.EventFeeds`."""
+
+    @property
+    def nodes(self) -> Sequence[str]: ...
+
+    def subscriber(self, node: str) -> _Subscriber | None: ...
+
+
+class _FeedCollector(Collector):
+    def __init__(self, feeds: FollowedFeeds, index: object) -> None:
+        self._feeds = feeds
+        self._index = index
+
+    def collect(self) -> Iterator[Metric]:
+        disconnects = CounterMetricFamily(
+            "pdproxy_kv_router_event_disconnects",
+            "KV event connections to a node's publisher that dropped (its restart, the network, "
+            "or a message over event_max_message_bytes), by node",
+            labels=["node"],
+        )
+        replay_timeouts = CounterMetricFamily(
+            "pdproxy_kv_router_event_replay_timeouts",
+            "KV event replays that did not end in time (or answered over "
+            "event_max_message_bytes), by node",
+            labels=["node"],
+        )
+        evicted = CounterMetricFamily(
+            "pdproxy_kv_router_index_evicted_blocks",
+            "Engine blocks of a node forgotten, oldest first, to keep it within "
+            "max_blocks_per_node, by node",
+            labels=["node"],
+        )
+        translate_stats = getattr(self._index, "translate_stats", None)
+        for node in self._feeds.nodes:
+            sub = self._feeds.subscriber(node)
+            if sub is not None:
+                disconnects.add_metric([node], sub.stats.disconnects)
+                replay_timeouts.add_metric([node], sub.stats.replay_timeouts)
+            if callable(translate_stats):
+                stats = translate_stats(node)
+                if isinstance(stats, TranslateStats):
+                    evicted.add_metric([node], stats.evicted)
+        yield from (disconnects, replay_timeouts, evicted)
 
 
 def observe_drift(

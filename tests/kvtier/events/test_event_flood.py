@@ -101,3 +101,51 @@ async def test_the_cap_is_the_callers_to_choose() -> None:
                 i += 1
                 await asyncio.sleep(0.05)
         assert all(b.ts != BIG_TS for b in sink.batches) and sub.stats.disconnects >= 1
+
+
+def test_a_publisher_leaving_with_batches_queued_does_not_abort_the_subscriber() -> None:
+    """A publisher sends large batches to a slower subscriber and exits. The subscriber's
+    reconnect (disconnect, connect) ran while messages were still queued, and libzmq aborted
+    the whole process (``Assertion failed: !_more (src/fq.cpp:80)``). Run in a child process,
+    so that an abort fails this test instead of killing the test run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import asyncio, subprocess, sys
+        from kvtier.events import EventSubscriber
+
+        async def main():
+            pub = subprocess.Popen(
+                [sys.executable, "-m", "tests.kvtier.events.flood_publisher"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            endpoint = pub.stdout.readline().strip()
+            got = []
+
+            async def on_batch(b):
+                got.append(b)
+                await asyncio.sleep(0.3)  # slower than the publisher
+
+            sub = EventSubscriber(endpoint, on_batch=on_batch)
+            await sub.start()
+            await asyncio.sleep(0.3)
+            pub.stdin.write("go\\n")
+            pub.stdin.flush()
+            await asyncio.to_thread(pub.stdout.readline)  # done
+            pub.stdin.close()  # the publisher exits
+            pub.wait()
+            await asyncio.sleep(2.0)  # the drop is noticed with batches still queued
+            await sub.close()
+            print("delivered", len(got), "disconnects", sub.stats.disconnects)
+
+        asyncio.run(main())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "disconnects 1" in done.stdout, done.stdout

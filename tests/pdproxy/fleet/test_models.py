@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from loadtest.fake_backend import FakeBackend
 from pdproxy.fleet.backends import BackendRegistry
-from pdproxy.fleet.models import ModelCatalog, ModelLearner
+from pdproxy.fleet.models import ModelCatalog, ModelLearner, ModelList
 from pdproxy.settings import BackendConfig, BreakerSettings, TimeoutSettings, UpstreamSettings
 from pdproxy.settings.models import ModelsSettings
 from pdproxy.upstream.client import Upstream
@@ -295,6 +295,68 @@ async def test_an_oversized_model_list_is_not_parsed() -> None:
         await learner(backend)
         assert backend.models.names == {"small"}
         assert catalog.known() == ["small"]
+    finally:
+        await upstream.close()
+        await runner.cleanup()
+
+
+async def test_a_huge_model_list_is_read_no_further_than_the_cap() -> None:
+    """Attacker: a backend answers ``/v1/models`` with 48 MiB. The list was read whole (up to
+    ``upstream.max_answer_bytes``, 64 MiB) before its size was checked. Reading stops at
+    ``models.max_list_bytes``: the backend's writes fail well short of the body, the proxy's
+    memory does not grow by the body's size, and the list it had is kept (learner and
+    ``GET /v1/models`` alike)."""
+    size = 48 << 20
+    piece = b" " * (256 << 10)
+    sent = [0]
+    huge = [False]
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        if not huge[0]:
+            return web.Response(
+                body=b'{"object": "list", "data": [{"id": "small"}]}',
+                content_type="application/json",
+            )
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        resp.content_length = size
+        await resp.prepare(request)
+        try:
+            while sent[0] < size:
+                await resp.write(piece)
+                sent[0] += len(piece)
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    upstream = Upstream(TimeoutSettings(), UpstreamSettings())
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        registry = BackendRegistry(BreakerSettings())
+        backend = registry.add(
+            BackendConfig(name="b", url=f"http://127.0.0.1:{port}", role="consumer")
+        )
+        catalog = ModelCatalog(ModelsSettings(), registry)
+        learner = ModelLearner(catalog, upstream)
+        await learner(backend)
+        assert backend.models is not None and backend.models.names == {"small"}
+        listing = ModelList(registry, upstream, cache_s=0.0, max_bytes=2**20)
+        huge[0] = True
+        await learner(backend)
+        assert backend.models.names == {"small"}
+        assert catalog.known() == ["small"]
+        await asyncio.sleep(0.2)  # the backend notices the dropped connection
+        assert sent[0] < 16 << 20, f"the backend wrote {sent[0] >> 20} MiB of a 48 MiB list"
+        sent[0] = 0
+        assert orjson.loads(await listing.body())["data"] == []
+        await asyncio.sleep(0.2)
+        assert sent[0] < 16 << 20, f"the backend wrote {sent[0] >> 20} MiB of a 48 MiB list"
+        await listing.close()
     finally:
         await upstream.close()
         await runner.cleanup()

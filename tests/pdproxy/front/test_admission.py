@@ -7,10 +7,12 @@ import asyncio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pdproxy.errors import Overloaded
-from pdproxy.front.admission import Admission
+from pdproxy.front.admission import Admission, ModelAdmission, ModelMetrics
 from pdproxy.settings import AdmissionSettings
+from pdproxy.settings.models import ModelsSettings
 from tests.pdproxy.conftest import (
     FakeFactory,
     ProxyFactory,
@@ -141,3 +143,31 @@ async def test_proxy_answers_429_when_queue_is_full(fake: FakeFactory, proxy: Pr
         assert r.json()["error"]["type"] == "rate_limit_error"
         assert (await slow).status_code == 200
     assert len(d.received) == 1
+
+
+async def test_a_forgotten_models_bucket_goes_once_idle() -> None:
+    """A forgotten label keeps its bucket while a request is in flight, then loses it and its
+    series; a label named again before that is kept."""
+    registry = CollectorRegistry()
+    admission = ModelAdmission(ModelsSettings())
+    ModelMetrics(registry, admission)
+    slot = await admission.acquire("gamma")
+    (await admission.acquire("delta")).release(200)
+    admission.forget(("gamma", "delta"))
+    labels = {label for label, _, _ in admission.snapshot()}
+    assert labels == {"gamma"}
+    assert (
+        registry.get_sample_value(
+            "pdproxy_model_requests_total", {"model": "delta", "status": "200"}
+        )
+        is None
+    )
+    slot.release(200)
+    assert admission.snapshot() == []
+    text = generate_latest(registry).decode()
+    assert 'model="gamma"' not in text and 'model="delta"' not in text
+    kept = await admission.acquire("gamma")
+    admission.forget(("gamma",))
+    await admission.acquire("gamma")  # named again: no longer forgotten
+    kept.release(200)
+    assert [label for label, _, _ in admission.snapshot()] == ["gamma"]

@@ -197,3 +197,41 @@ async def test_models_never_share_keys_in_redis(
         k[: k.index(b"}") + 1].decode() for k in keys if k.startswith(b"{") and k.endswith(b":pred")
     }
     assert tags == {"{pdproxy:top/model=alpha}", "{pdproxy:top/model=beta}"}, keys
+
+
+async def test_a_forgotten_models_router_and_series_go(
+    fake: FakeFactory, proxy: ProxyFactory
+) -> None:
+    """Issue 30 finding 6: announced names became routers, admission buckets and metric labels
+    that were never forgotten (80 announcements: 2,497 routers, /metrics 13 KiB -> 14.3 MiB).
+    Once no backend lists a learned model, its router is closed and /metrics carries its label
+    no more; configured models stay."""
+    ca, cg = await fake("ca"), await fake("cg")
+    ca.model, cg.model = "alpha", "gamma"
+    admin = {"authorization": "Bearer admin"}
+    running = await proxy(
+        settings([backend_entry(ca, "consumer", "none", models=["alpha"])], served={"alpha": {}},
+                 admin_key="admin")
+    )  # fmt: skip
+    router = running.state.router
+    assert isinstance(router, PerModelRouter)
+    async with running.client() as client:
+        added = backend_entry(cg, "consumer", "none", models=["gamma"])
+        assert (await client.post("/admin/backends", json=added, headers=admin)).status_code == 201
+        for model in ("alpha", "gamma"):
+            body = {"model": model, "prompt": "hello", "max_tokens": 2}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        gamma = model_router(router, "gamma")
+        before = (await client.get("/metrics")).text
+        assert 'model="gamma"' in before
+        assert (await client.delete("/admin/backends/cg", headers=admin)).status_code == 200
+        body = {"model": "alpha", "prompt": "hello", "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        after = (await client.get("/metrics")).text
+    assert 'model="gamma"' not in after
+    assert 'model="alpha"' in after
+    assert set(router.routers) == {"alpha"}
+    deadline = time.monotonic() + 5
+    while not gamma.closed:
+        assert time.monotonic() < deadline, "the forgotten model's router was never closed"
+        await asyncio.sleep(0.02)
