@@ -181,7 +181,12 @@ class ProcessGroup:
     def proxy(self, name: str, config: dict[str, Any], *, wait: bool = True) -> ManagedProcess:
         """``python -m pdproxy.cli serve --config FILE`` with ``config`` (port filled in)."""
         port = free_port()
-        config = {"host": "127.0.0.1", "port": port, "log_level": "warning", **config}
+        # The scenarios read /metrics right after what they count: no answer from the merge
+        # cache of a --workers group (metrics_cache_s, up to a second old by default).
+        config = {
+            "host": "127.0.0.1", "port": port, "log_level": "warning", "metrics_cache_s": 0,
+            **config,
+        }  # fmt: skip
         path = self.workdir / f"{name}-{len(self.procs)}.yaml"
         path.write_text(yaml.safe_dump(config), encoding="utf-8")
         argv = [sys.executable, "-m", "pdproxy.cli", "serve", "--config", str(path)]

@@ -81,7 +81,9 @@ class VllmStack:
 
 def _write_proxy(run_dir: Path, name: str, config: dict[str, object]) -> tuple[str, list[str]]:
     port = free_port()
-    config = {**config, "port": port, "debug_headers": True}
+    # The tests read /metrics right after what they count: no answer from the merge cache of a
+    # --workers group (metrics_cache_s, up to a second old by default).
+    config = {**config, "port": port, "debug_headers": True, "metrics_cache_s": 0}
     path = run_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     argv = [

@@ -94,7 +94,9 @@ def kvtier_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvtierSta
         supervisor.wait_healthy(STARTUP_TIMEOUT_S)
         port = free_port()  # picked after vLLM bound its own ephemeral ports
         path = run_dir / "pd.yaml"
-        path.write_text(yaml.safe_dump({**config, "port": port}, sort_keys=False))
+        # The tests read /metrics right after what they count: no merge cache (metrics_cache_s).
+        config = {**config, "port": port, "metrics_cache_s": 0}
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
         url = f"http://127.0.0.1:{port}"
         argv = (sys.executable, "-m", "pdproxy.cli", "serve", "--config", str(path))
         env = {"PYTHONPATH": str(ROOT)}
