@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import orjson
 from starlette.responses import Response
@@ -44,3 +44,17 @@ def client_error_response(
 def stream_error_event(message: str, code: str) -> bytes:
     """An SSE event carrying an OpenAI-shaped error, to end a stream that already started."""
     return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
+
+
+REDACTED = b"[internal]"
+
+
+def redact(body: bytes, names: Iterable[str]) -> bytes:
+    """``body`` with every occurrence of ``names`` (internal hosts, ``host:port`` pairs)
+    replaced by :data:`REDACTED`, longest first so that ``h:p`` goes before ``h``.
+
+    For an engine's 4xx body relayed to the client: it may quote the address of the producer
+    it was told to fetch from, which the client must not learn."""
+    for name in sorted({n for n in names if n}, key=len, reverse=True):
+        body = body.replace(name.encode("utf-8", "replace"), REDACTED)
+    return body

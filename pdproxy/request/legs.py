@@ -134,6 +134,17 @@ def consumer_kv_params(
     raise ValueError(f"dialect {dialect} has no consumer kv_transfer_params")
 
 
+def kv_peer_of(kv_params: Mapping[str, Any]) -> str | None:
+    """The KV address (``host:port``, or the host alone) a consumer leg's params name: NIXL's
+    ``remote_host``/``remote_port`` at the top, P2P's inside ``remote_prefiller``."""
+    inner = kv_params.get("remote_prefiller")
+    kvp = inner if isinstance(inner, Mapping) else kv_params
+    host, port = kvp.get("remote_host"), kvp.get("remote_port")
+    if not isinstance(host, str) or not host:
+        return None
+    return f"{host}:{port}" if isinstance(port, int) else host
+
+
 def _check_address(producer: str, kvp: Mapping[str, Any], expected: tuple[str, int]) -> None:
     host, port = kvp.get("remote_host"), kvp.get("remote_port")
     named = host.strip("[]").lower() if isinstance(host, str) else None

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
@@ -58,14 +59,14 @@ from pdproxy.front.intake import (
     wants_route_explain,
 )
 from pdproxy.front.protocol import DISCONNECT_HOOK
-from pdproxy.front.responses import client_error_response, error_response
+from pdproxy.front.responses import client_error_response, error_response, redact
 from pdproxy.front.tenants import CachedTokensHidden, CacheSalts
 from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.observe.trace_context import trace_headers
 from pdproxy.request.consumer import ConsumerPhase, ConsumerResult
 from pdproxy.request.failover import StreamFailover
 from pdproxy.request.lease import RequestLease
-from pdproxy.request.legs import consumer_body, with_kv_source
+from pdproxy.request.legs import consumer_body, kv_peer_of, with_kv_source
 from pdproxy.request.producer import ProducerPhase, ProducerResult
 from pdproxy.request.record import RequestRecord, client_request_id, new_request_id
 from pdproxy.request.relay import Relay
@@ -250,6 +251,7 @@ class RequestPath:
                 record.producer_s = time.perf_counter() - t
             if produced is not None:
                 record.producer = produced.producer
+                record.kv_peer = kv_peer_of(produced.kv_params)
             if trace is not None:
                 trace.producer_done(record.producer, record.retries)
             if produced is None:
@@ -373,7 +375,9 @@ class RequestPath:
             if record.stage == "consumer":
                 record.consumer = exc.backend  # the router hears which consumer refused
             return Response(
-                exc.body, status_code=exc.status, media_type=exc.content_type or "application/json"
+                redact(exc.body, self._internal_names(record)),
+                status_code=exc.status,
+                media_type=exc.content_type or "application/json",
             )
         if isinstance(exc, NoBackendAvailable):
             log.warning("request %s: %s", record.request_id, exc)
@@ -388,6 +392,20 @@ class RequestPath:
             error_type="upstream_error",
             code="upstream_timeout" if exc.timed_out else "upstream_failed",
         )
+
+    def _internal_names(self, record: RequestRecord) -> list[str]:
+        """What an engine's refusal may quote that the client must not see: every backend's
+        ``host:port`` and KV address, the KV peer this request was sent to, and those hosts
+        alone where they are addresses or dotted names (a bare short name such as ``d`` would
+        also match ordinary words of the message)."""
+        pairs = [record.kv_peer or ""]
+        for backend in self._registry.all():
+            pairs.append(urlsplit(backend.url).netloc)
+            if backend.kv_address is not None:
+                host, port = backend.kv_address
+                pairs.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        hosts = [p.rsplit(":", 1)[0].strip("[]") for p in pairs if ":" in p]
+        return pairs + [h for h in hosts if "." in h or ":" in h]
 
     async def drain_background(self, timeout_s: float) -> None:
         """Wait (bounded) for pending P2P releases; used at shutdown."""

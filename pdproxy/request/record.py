@@ -75,7 +75,8 @@ class RequestRecord:
 
     __slots__ = (
         "cached_tokens", "client_request_id", "consumer", "consumer_first_byte_s", "dialect",
-        "endpoint", "fallback", "hides_cached_tokens", "producer", "producer_s", "request_id",
+        "endpoint", "fallback", "hides_cached_tokens", "kv_peer", "producer", "producer_s",
+        "request_id",
         "retries", "route_s", "stage", "t0",
     )  # fmt: skip
 
@@ -97,6 +98,9 @@ class RequestRecord:
         """The consumer prefilled alone after the producer phase failed or its KV did."""
         self.producer: str | None = None
         """The producer that served the producer leg; None when none did."""
+        self.kv_peer: str | None = None
+        """The KV address the producer's answer named (``remote_host``): internal, never shown
+        to the client (a consumer's refusal quoting it is redacted)."""
         self.consumer: str | None = None
         """The consumer that answered (a refusal included); after a migration, the last one."""
         self.cached_tokens: int | None = None
