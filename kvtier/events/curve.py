@@ -23,7 +23,7 @@ import asyncio
 import logging
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,9 +112,17 @@ class ClientGate:
     ``AsyncioAuthenticator`` polls a blocking socket and was seen to miss requests on a second
     context in one event loop; this reads an asyncio socket.)"""
 
-    def __init__(self, context: zmq.asyncio.Context, keys: CurveServer) -> None:
+    def __init__(
+        self, context: zmq.asyncio.Context, keys: CurveServer | Callable[[bytes], bool]
+    ) -> None:
+        """``keys``: the server's keys (a fixed set of admitted clients), or a predicate over a
+        client's raw 32-byte public key, asked at each handshake (a set that can change)."""
         self._ctx = context
-        self._allowed = frozenset(z85.decode(key) for key in keys.allowed_clients)
+        if isinstance(keys, CurveServer):
+            allowed = frozenset(z85.decode(key) for key in keys.allowed_clients)
+            self._admits: Callable[[bytes], bool] = allowed.__contains__
+        else:
+            self._admits = keys
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.refused = 0
@@ -149,7 +157,12 @@ class ClientGate:
             self.refused += 1
             return [b"1.0", frames[1] if len(frames) > 1 else b"", b"400", b"bad request", b"", b""]
         request_id, mechanism, credentials = frames[1], frames[5], frames[6:]
-        if mechanism == b"CURVE" and len(credentials) == 1 and credentials[0] in self._allowed:
+        if (
+            mechanism == b"CURVE"
+            and len(credentials) == 1
+            and len(credentials[0]) == 32
+            and self._admits(credentials[0])
+        ):
             # The user id is the client's z85 public key: a receiving socket reads it from each
             # message (``frame.get("User-Id")``) to tell which admitted client sent it.
             return [b"1.0", request_id, b"200", b"OK", z85.encode(credentials[0]), b""]

@@ -60,9 +60,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvtier.announce import Announcement, decode
 from kvtier.errors import AnnouncementError
-from kvtier.events.curve import load_server, make_server
+from kvtier.events.curve import ClientGate, load_server, make_server
 from pdproxy.fleet.membership.errors import AnnouncementRefused, MemberConflict, MemberRemoved
-from pdproxy.fleet.membership.keys import AdmittedKeys, KeyChange, KeyGate
+from pdproxy.fleet.membership.keys import AdmittedKeys, KeyChange, key_gate
 from pdproxy.fleet.membership.members import Membership
 from pdproxy.settings import BackendConfig, Dialect
 from pdproxy.settings.backends import Role
@@ -118,7 +118,7 @@ class RegistrationListener:
         self._per_key: dict[str, _Bucket] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._gate: KeyGate | None = None
+        self._gate: ClientGate | None = None
         self._keys: AdmittedKeys | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.endpoint: str | None = None
@@ -144,7 +144,7 @@ class RegistrationListener:
         keys = load_server(s.curve_secret_key_file, s.curve_clients_dir)
         self._keys = AdmittedKeys(s.curve_clients_dir)
         self._ctx = zmq.asyncio.Context()
-        self._gate = KeyGate(self._ctx, self._keys)
+        self._gate = key_gate(self._ctx, self._keys)
         self._gate.start()
         sock = self._sock = self._ctx.socket(zmq.DEALER)  # not ROUTER: peers choose no id here
         sock.setsockopt(zmq.LINGER, 0)
