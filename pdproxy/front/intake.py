@@ -73,6 +73,11 @@ class Caller:
     """Its tenant; None when every caller shares one cache (no keys, or ``share_prefixes``)."""
     sees_cached_tokens: bool
     """Its answers show the engine's ``cached_tokens`` (else 0)."""
+    key_scope: str | None = None
+    """What scopes its sessions (affinity): a digest of its key, computed once per key. None
+    when no keys are configured: sessions are then scoped by whatever bearer token the client
+    sent (:func:`pdproxy.routing.session.session_of` reads it only for a request that names a
+    session)."""
 
 
 ANONYMOUS = Caller(trusted=False, tenant=None, sees_cached_tokens=True)
@@ -83,7 +88,7 @@ def _caller(key: ApiKey, digest: bytes, share_prefixes: bool) -> Caller:
     tenant = None
     if not share_prefixes:
         tenant = TenantId(f"name:{key.tenant}" if key.tenant is not None else f"key:{digest.hex()}")
-    return Caller(key.trusted, tenant, key.see_cached_tokens)
+    return Caller(key.trusted, tenant, key.see_cached_tokens, key_scope=digest[:8].hex())
 
 
 class ClientKeys:

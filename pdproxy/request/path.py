@@ -221,7 +221,8 @@ class RequestPath:
             trace.routing()
         route = RouteRequest(
             record.request_id, record.endpoint, body.data, len(raw),
-            session=session_of(headers, body.data),
+            session=session_of(headers, body.data, caller.key_scope),
+            model=model.name if model is not None else None,
         )  # fmt: skip
         decision = lease.decision = await self._router.route(route, pool.producers, pool.consumers)
         if trace is not None:

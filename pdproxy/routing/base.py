@@ -75,6 +75,9 @@ class RouteRequest:
     session: str | None = None
     """The client's session, scoped by its key (:func:`pdproxy.routing.session.session_of`),
     for session affinity; None: no session."""
+    model: str | None = None
+    """The model the proxy's catalog resolved ``body["model"]`` to (None: not resolved, e.g. a
+    router called directly; a per-model router then reads the body)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,7 +175,8 @@ class PerModelRouter:
     async def route(
         self, request: RouteRequest, producers: Sequence[B], consumers: Sequence[B]
     ) -> RouteDecision[B]:
-        router = await self._router_for(request.body.get("model"))
+        model = request.model if request.model is not None else request.body.get("model")
+        router = await self._router_for(model)
         decision = await router.route(request, producers, consumers)
         self._owners[request.request_id] = router
         return decision

@@ -24,14 +24,22 @@ SessionId = NewType("SessionId", str)
 """A session as the router sees it: the client's key fingerprint and its id, joined."""
 
 
-def session_of(headers: Headers, body: Mapping[str, Any]) -> SessionId | None:
-    """The request's session (header first, then ``user``), scoped by the bearer key; None
-    when there is none or it is unusable (empty, not a string, too long)."""
+def session_of(
+    headers: Headers, body: Mapping[str, Any], key_scope: str | None = None
+) -> SessionId | None:
+    """The request's session (header first, then ``user``), scoped by the caller's key; None
+    when there is none or it is unusable (empty, not a string, too long).
+
+    ``key_scope``: the authenticated key's scope (:attr:`pdproxy.front.intake.Caller.key_scope`),
+    so the key is not parsed again; without one (no keys configured), the bearer token the
+    client sent is hashed here."""
     given: object = headers.get(SESSION_HEADER)
     if given is None:
         given = body.get("user")
     if not isinstance(given, str) or not 0 < len(given) <= MAX_SESSION_ID_CHARS:
         return None
-    token = bearer_token(headers) or ""
-    scope = hashlib.blake2b(token.encode(), digest_size=8).hexdigest()
+    scope = key_scope
+    if scope is None:
+        token = bearer_token(headers) or ""
+        scope = hashlib.blake2b(token.encode(), digest_size=8).hexdigest()
     return SessionId(f"{scope}:{given}")

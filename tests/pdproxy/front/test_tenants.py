@@ -5,6 +5,7 @@ not allowed to see it. Attacker-side, with the reference workers: tests/reliabil
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -197,4 +198,10 @@ async def test_a_figure_split_across_reads_is_still_hidden() -> None:
 def test_caller_of_a_key() -> None:
     keys = ClientKeys([ApiKey.model_validate(k) for k in _KEYS])
     alice = keys.authenticate(_headers(_auth(_KEYS[0]["key"])))
-    assert alice == Caller(trusted=False, tenant=TenantId("name:A"), sees_cached_tokens=True)
+    scope = hashlib.sha256(str(_KEYS[0]["key"]).encode()).digest()[:8].hex()
+    assert alice == Caller(
+        trusted=False, tenant=TenantId("name:A"), sees_cached_tokens=True, key_scope=scope
+    )
+    # Sessions are scoped by the key: never by its tenant, never the key itself.
+    others = {keys.authenticate(_headers(_auth(k["key"]))).key_scope for k in _KEYS[1:]}
+    assert scope not in others and str(_KEYS[0]["key"]) not in scope

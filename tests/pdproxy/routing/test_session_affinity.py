@@ -90,6 +90,14 @@ def test_session_comes_from_the_header_or_the_user_field_scoped_by_key() -> None
     assert session_of(Headers({}), {"user": ""}) is None
 
 
+def test_an_authenticated_keys_scope_is_used_as_given() -> None:
+    """With keys configured the path passes the key's scope (parsed once, at intake): the
+    header is not read again, and two keys' scopes keep their sessions apart."""
+    spoofed = Headers({"authorization": "Bearer somebody-else", "x-session-id": "s"})
+    assert session_of(spoofed, {}, "scope-a") == "scope-a:s"
+    assert session_of(spoofed, {}, "scope-b") != session_of(spoofed, {}, "scope-a")
+
+
 def turn(text: str, session: str | None) -> RouteRequest:
     return RouteRequest(
         uuid.uuid4().hex, "completions", {"model": "m", "prompt": text}, session=session
