@@ -4,8 +4,8 @@ A request takes things that must be given back: its admission slot and its model
 in-flight count per backend leg (:class:`BackendHold`), the P2P supplies producers may hold for
 it, the router's ticket (``router.finished``), its disconnect watcher and its trace. The lease
 holds these and nothing else, and :meth:`RequestLease.close` gives every one back. The request
-path (:mod:`pdproxy.request.path`) closes it once the answer is sent, the stream ends or the
-client leaves; nothing else releases anything. What the request *did* (who served, timings,
+path hands the server a :class:`LeasedResponse`, which closes it once the answer is sent, the
+stream ends or the client leaves; nothing else releases anything. What the request *did* (who served, timings,
 retries) is not the lease's: the path keeps it in a
 :class:`~pdproxy.request.record.RequestRecord` and hands it to :meth:`RequestLease.close`,
 which reports it to the router, the metrics and the trace.
@@ -25,12 +25,17 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
 from pdproxy.errors import KvAddressMismatch, LegFailed
 from pdproxy.fleet.backends import Backend
 from pdproxy.front.admission import Admission, ModelSlot
 from pdproxy.front.cancel import RequestCanceller
+from pdproxy.front.tenants import CachedTokensHidden
 from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.request.record import RequestId, RequestRecord, leg_request_id
+from pdproxy.request.relay import Relay
 from pdproxy.request.release import Supply, SupplyReleaser
 from pdproxy.routing.base import RequestOutcome, RouteDecision, Router
 
@@ -213,3 +218,49 @@ class RequestLease:
     def _release_supply(self, supply: Supply) -> None:
         self._releaser.release(supply, leg_request_id(self.request_id, "release", self._releases))
         self._releases += 1
+
+
+class LeasedResponse(Response):
+    """What the request path hands the server: a plain response or a relayed stream, with the
+    request's own headers in front, and its lease closed once it has been sent, the stream
+    ended, or the client left."""
+
+    def __init__(
+        self,
+        lease: RequestLease,
+        record: RequestRecord,
+        answer: Response | Relay,
+        headers: list[tuple[bytes, bytes]],
+        metrics: ProxyMetrics,
+    ) -> None:
+        # No super().__init__: the status and the rest of the headers are the answer's.
+        self.status_code = answer.status_code
+        self.background = None
+        headers += answer.raw_headers
+        self.raw_headers = headers
+        self._lease = lease
+        self._record = record
+        self._answer = answer
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ok = False
+        record = self._record
+        try:
+            answer = self._answer
+            answer.raw_headers = self.raw_headers
+            if isinstance(answer, Relay):
+                record.stage = "stream"
+                end = await answer.run(
+                    CachedTokensHidden(send) if record.hides_cached_tokens else send
+                )
+                ok = end.ok
+                record.consumer = end.consumer
+                record.cached_tokens = end.cached_tokens
+                if end.client_left:
+                    self._metrics.disconnect_aborts.labels(stage=record.stage).inc()
+            else:
+                await answer(scope, receive, send)
+                ok = 200 <= self.status_code < 300
+        finally:
+            await self._lease.close(ok, self.status_code, record)

@@ -33,7 +33,6 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from pdproxy.errors import (
     BodyReadTimeout,
@@ -60,12 +59,12 @@ from pdproxy.front.intake import (
 )
 from pdproxy.front.protocol import DISCONNECT_HOOK
 from pdproxy.front.responses import client_error_response, error_response, redact
-from pdproxy.front.tenants import CachedTokensHidden, CacheSalts
+from pdproxy.front.tenants import CacheSalts
 from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.observe.trace_context import trace_headers
 from pdproxy.request.consumer import ConsumerPhase, ConsumerResult
 from pdproxy.request.failover import StreamFailover
-from pdproxy.request.lease import RequestLease
+from pdproxy.request.lease import LeasedResponse, RequestLease
 from pdproxy.request.legs import consumer_body, kv_peer_of, with_kv_source
 from pdproxy.request.producer import ProducerPhase, ProducerResult
 from pdproxy.request.record import RequestRecord, client_request_id, new_request_id
@@ -411,49 +410,3 @@ class RequestPath:
     async def drain_background(self, timeout_s: float) -> None:
         """Wait (bounded) for pending P2P releases; used at shutdown."""
         await self._releaser.drain(timeout_s)
-
-
-class LeasedResponse(Response):
-    """What the request path hands the server: a plain response or a relayed stream, with the
-    request's own headers in front, and its lease closed once it has been sent, the stream
-    ended, or the client left."""
-
-    def __init__(
-        self,
-        lease: RequestLease,
-        record: RequestRecord,
-        answer: Response | Relay,
-        headers: list[tuple[bytes, bytes]],
-        metrics: ProxyMetrics,
-    ) -> None:
-        # No super().__init__: the status and the rest of the headers are the answer's.
-        self.status_code = answer.status_code
-        self.background = None
-        headers += answer.raw_headers
-        self.raw_headers = headers
-        self._lease = lease
-        self._record = record
-        self._answer = answer
-        self._metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ok = False
-        record = self._record
-        try:
-            answer = self._answer
-            answer.raw_headers = self.raw_headers
-            if isinstance(answer, Relay):
-                record.stage = "stream"
-                end = await answer.run(
-                    CachedTokensHidden(send) if record.hides_cached_tokens else send
-                )
-                ok = end.ok
-                record.consumer = end.consumer
-                record.cached_tokens = end.cached_tokens
-                if end.client_left:
-                    self._metrics.disconnect_aborts.labels(stage=record.stage).inc()
-            else:
-                await answer(scope, receive, send)
-                ok = 200 <= self.status_code < 300
-        finally:
-            await self._lease.close(ok, self.status_code, record)

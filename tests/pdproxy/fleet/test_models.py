@@ -7,6 +7,9 @@ another, with metric labels only for models the proxy knows."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -15,7 +18,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from loadtest.fake_backend import FakeBackend
-from pdproxy.fleet.backends import BackendRegistry
+from pdproxy.fleet.backends import Backend, BackendRegistry
 from pdproxy.fleet.models import ModelCatalog, ModelLearner, ModelList
 from pdproxy.settings import BackendConfig, BreakerSettings, TimeoutSettings, UpstreamSettings
 from pdproxy.settings.models import ModelsSettings
@@ -262,20 +265,24 @@ def test_one_backend_cannot_take_every_learned_name_and_junk_is_forgotten() -> N
     assert catalog.known() == ["base"]
 
 
-async def test_an_oversized_model_list_is_not_parsed() -> None:
-    """A backend answered ``/v1/models`` with 45 MiB and the proxy parsed it on the event loop
-    (``/health`` stalled 1.46 s per poll). A list past ``models.max_list_bytes`` (1 MiB) is
-    not parsed: the backend keeps the list it had."""
-    entries = [{"id": f"m-{i:07d}", "object": "model"} for i in range(40_000)]  # ~1.3 MiB
-    big = orjson.dumps({"object": "list", "data": entries})
-    assert len(big) > 2**20
-    answers = [b'{"object": "list", "data": [{"id": "small"}]}', big]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-    async def models(_: web.Request) -> web.Response:
-        return web.Response(body=answers[0], content_type="application/json")
 
+@dataclass
+class _ModelsBackend:
+    """One backend whose ``/v1/models`` a handler answers, and the proxy side that learns it."""
+
+    registry: BackendRegistry
+    backend: Backend
+    catalog: ModelCatalog
+    learner: ModelLearner
+    upstream: Upstream
+
+
+@contextlib.asynccontextmanager
+async def _models_backend(handler: Handler) -> AsyncIterator[_ModelsBackend]:
     app = web.Application()
-    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models", handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -288,16 +295,32 @@ async def test_an_oversized_model_list_is_not_parsed() -> None:
             BackendConfig(name="b", url=f"http://127.0.0.1:{port}", role="consumer")
         )
         catalog = ModelCatalog(ModelsSettings(), registry)
-        learner = ModelLearner(catalog, upstream)
+        yield _ModelsBackend(registry, backend, catalog, ModelLearner(catalog, upstream), upstream)
+    finally:
+        await upstream.close()
+        await runner.cleanup()
+
+
+async def test_an_oversized_model_list_is_not_parsed() -> None:
+    """A backend answered ``/v1/models`` with 45 MiB and the proxy parsed it on the event loop
+    (``/health`` stalled 1.46 s per poll). A list past ``models.max_list_bytes`` (1 MiB) is
+    not parsed: the backend keeps the list it had."""
+    entries = [{"id": f"m-{i:07d}", "object": "model"} for i in range(40_000)]  # ~1.3 MiB
+    big = orjson.dumps({"object": "list", "data": entries})
+    assert len(big) > 2**20
+    answers = [b'{"object": "list", "data": [{"id": "small"}]}', big]
+
+    async def models(_: web.Request) -> web.Response:
+        return web.Response(body=answers[0], content_type="application/json")
+
+    async with _models_backend(models) as mb:
+        backend, catalog, learner = mb.backend, mb.catalog, mb.learner
         await learner(backend)
         assert backend.models is not None and backend.models.names == {"small"}
         answers.pop(0)
         await learner(backend)
         assert backend.models.names == {"small"}
         assert catalog.known() == ["small"]
-    finally:
-        await upstream.close()
-        await runner.cleanup()
 
 
 async def test_a_huge_model_list_is_read_no_further_than_the_cap() -> None:
@@ -328,21 +351,14 @@ async def test_a_huge_model_list_is_read_no_further_than_the_cap() -> None:
             pass
         return resp
 
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    upstream = Upstream(TimeoutSettings(), UpstreamSettings())
-    try:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        registry = BackendRegistry(BreakerSettings())
-        backend = registry.add(
-            BackendConfig(name="b", url=f"http://127.0.0.1:{port}", role="consumer")
+    async with _models_backend(models) as mb:
+        registry, backend, catalog, learner, upstream = (
+            mb.registry,
+            mb.backend,
+            mb.catalog,
+            mb.learner,
+            mb.upstream,
         )
-        catalog = ModelCatalog(ModelsSettings(), registry)
-        learner = ModelLearner(catalog, upstream)
         await learner(backend)
         assert backend.models is not None and backend.models.names == {"small"}
         listing = ModelList(registry, upstream, cache_s=0.0, max_bytes=2**20)
@@ -357,6 +373,3 @@ async def test_a_huge_model_list_is_read_no_further_than_the_cap() -> None:
         await asyncio.sleep(0.2)
         assert sent[0] < 16 << 20, f"the backend wrote {sent[0] >> 20} MiB of a 48 MiB list"
         await listing.close()
-    finally:
-        await upstream.close()
-        await runner.cleanup()
