@@ -5,8 +5,8 @@ in-flight count per backend leg (:class:`BackendHold`), the P2P supplies produce
 it, the router's ticket (``router.finished``), its disconnect watcher and its trace. The lease
 holds these and nothing else, and :meth:`RequestLease.close` gives every one back. The request
 path hands the server a :class:`LeasedResponse`, which closes it once the answer is sent, the
-stream ends or the client leaves; nothing else releases anything. What the request *did* (who served, timings,
-retries) is not the lease's: the path keeps it in a
+stream ends or the client leaves; nothing else releases anything. What the request *did* (who
+served, timings, retries) is not the lease's: the path keeps it in a
 :class:`~pdproxy.request.record.RequestRecord` and hands it to :meth:`RequestLease.close`,
 which reports it to the router, the metrics and the trace.
 
