@@ -157,7 +157,10 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
         yield VllmStack(paths, instances, pd_url, agg_url, supervisor, log_dir)
     expired = _expired_reads(log_dir / "p0.log")
     if expired:
-        pytest.fail(f"d0 read KV blocks p0 had already released: {expired}")
+        pytest.fail(
+            f"d0 read KV blocks p0 had already released: {expired}\n"
+            + stack_log_tails(log_dir, ("pd-proxy", "d0", "p0"))
+        )
 
 
 def _first_pd_request(pd_url: str, supervisor: Supervisor) -> None:
@@ -200,6 +203,33 @@ def _expired_reads(producer_log: Path) -> list[str]:
         return []
     lines = producer_log.read_text(errors="replace").splitlines()
     return [line[-200:] for line in lines if "Potentially invalid KV blocks" in line]
+
+
+LOG_TAIL_LINES = 60
+
+
+def stack_log_tails(log_dir: Path, names: tuple[str, ...], lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of each named process's log: a CI failure of this package
+    must carry what the engines and proxies were doing (a run on a fresh machine leaves no
+    files behind to read afterwards)."""
+    parts = []
+    for name in names:
+        path = log_dir / f"{name}.log"
+        if path.is_file():
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {name}.log (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test of the shared stack reports the stack's log tails beside its traceback."""
+    outcome = yield
+    report = outcome.get_result()
+    stack = getattr(item, "funcargs", {}).get("vllm_stack")
+    if report.failed and isinstance(stack, VllmStack):
+        names = ("pd-proxy", "agg-proxy", "p0", "d0", "r0")
+        report.sections.append(("vLLM stack logs", stack_log_tails(stack.log_dir, names)))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
