@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,15 +221,17 @@ def stack_log_tails(log_dir: Path, names: tuple[str, ...], lines: int = LOG_TAIL
     return "\n".join(parts)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A failed test of the shared stack reports the stack's log tails beside its traceback."""
-    outcome = yield
-    report = outcome.get_result()
+    report = yield
     stack = getattr(item, "funcargs", {}).get("vllm_stack")
     if report.failed and isinstance(stack, VllmStack):
         names = ("pd-proxy", "agg-proxy", "p0", "d0", "r0")
         report.sections.append(("vLLM stack logs", stack_log_tails(stack.log_dir, names)))
+    return report
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
