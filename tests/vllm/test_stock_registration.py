@@ -121,7 +121,8 @@ def stock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StockVllm]:
         url = f"http://127.0.0.1:{port}"
         argv = (sys.executable, "-m", "pdproxy.cli", "serve", "--config", str(path))
         env = {"PYTHONPATH": str(ROOT)}
-        supervisor.start([ProcessSpec("proxy", argv, url + "/ready", env, "proxy")])
+        # /health, not /ready: with no backend until the registration, it is not ready.
+        supervisor.start([ProcessSpec("proxy", argv, url + "/health", env, "proxy")])
         supervisor.wait_healthy(60.0)
         yield StockVllm(paths, instance, supervisor, url, f"tcp://127.0.0.1:{fabric_port}")
 
