@@ -83,7 +83,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="ADAPTER[@MODEL]",
-        help="LoRA adapter served by every worker of MODEL (default: the first model); repeatable",
+        help="LoRA adapter served by every worker of MODEL (default: the first model); "
+        "repeatable. With --engine vllm: an adapter made from a seed for the tiny model, loaded "
+        "with --enable-lora",
     )
     parser.add_argument(
         "--dialect",
@@ -275,9 +277,6 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdproxy-up-"))  # mode 0700
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if args.engine == "vllm" and (options.models or options.lora):
-        print("error: --models and --lora need the reference workers (--engine worker)")
-        return 2
     try:
         if args.engine == "vllm":
             paths = VllmPaths.resolve(args.vllm_venv, args.vllm_model)
