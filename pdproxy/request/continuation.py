@@ -2,26 +2,39 @@
 
 How a continuation is expressed (the choice that keeps greedy output identical):
 
-- ``/v1/completions``: the prompt plus the generated text (a string prompt), or the prompt's
-  token ids plus the generated token ids (a token-id prompt, when every chunk carried
-  ``token_ids``: the client asked for ``return_token_ids``);
-- ``/v1/chat/completions``: the messages plus an assistant message holding the generated text,
-  with ``continue_final_message: true`` and ``add_generation_prompt: false`` (vLLM's
-  extension; the reference worker accepts the same). A client's own trailing assistant message
-  under ``continue_final_message`` gets the text appended instead.
+- exact by construction, from token ids: the first leg asks the consumer for them
+  (``return_token_ids``, vLLM's extension; ``failover.token_ids``, on by default) and the ledger
+  records the prompt's ids (``prompt_token_ids`` of the first chunk) and every delivered token's
+  ids. ``/v1/completions`` then continues with the token-id prompt ``prompt ids + generated
+  ids``, whatever the client's prompt was; ``/v1/chat/completions`` sends the same ids as
+  ``kv_transfer_params.prompt_token_ids`` (vLLM >= 0.32 feeds them to the engine instead of
+  rendering ``messages``: its decode-side token reuse), with the text form below alongside for
+  an engine that ignores them. The ids are stripped from the client's chunks unless it asked
+  for them itself;
+- from text, when the consumer sent no ids: ``/v1/completions`` the prompt plus the generated
+  text (or, for a token-id prompt, nothing: it cannot continue); ``/v1/chat/completions`` the
+  messages plus an assistant message holding the generated text, with
+  ``continue_final_message: true`` and ``add_generation_prompt: false`` (vLLM's extension; the
+  reference worker accepts the same). A client's own trailing assistant message under
+  ``continue_final_message`` gets the text appended instead.
 
 Text continuation is exact when the engine tokenizes ``prompt + generated`` into the prompt's
 tokens followed by the generated ones: always with the reference worker's byte tokenizer, and for
 BPE tokenizers unless a merge crosses the boundary (then greedy output may differ after the
-migration point; token-id prompts avoid it). Sampling settings are sent unchanged;
-``max_tokens``/``max_completion_tokens`` become what remains, ``min_tokens`` what is still owed.
+migration point), and for chat only if the template renders an open assistant message exactly as
+the generation prompt plus the text. Token ids avoid both. What ids cannot make exact: text the
+first consumer held back (the bytes of an unfinished UTF-8 character, a possible stop string) is
+not re-sent, because the continuation's detokenizer treats those tokens as prompt; sampling with
+temperature > 0 restarts its random stream; and a stop string that straddles the migration point
+is not seen. Sampling settings are sent unchanged; ``max_tokens``/``max_completion_tokens``
+become what remains, ``min_tokens`` what is still owed.
 
 Refused (the stream ends with an error event, as without failover): ``n``/``best_of`` > 1
 (choices interleave), ``logprobs``/``top_logprobs``/``prompt_logprobs``/``echo`` (a
 continuation would report the already generated tokens as prompt), tools, function calls and
 structured output (``response_format`` other than text, ``guided_*``, ``structured_outputs``:
 parser and grammar state cannot be resumed), ``suffix``, and a stream whose running token count
-the consumer did not report. A stop string that straddles the migration point is not seen.
+the consumer did not report.
 
 What a client's SSE stream has received so far, event by event (mid-stream failover).
 
@@ -102,23 +115,32 @@ def _token_ids(value: object) -> list[int] | None:
     return None
 
 
-def first_leg(data: dict[str, Any]) -> dict[str, Any]:
-    """The client's body, asking the consumer for its running token count (which the proxy
-    strips again unless the client asked for it)."""
+def first_leg(data: dict[str, Any], token_ids: bool = False) -> dict[str, Any]:
+    """The client's body, asking the consumer for its running token count and, with
+    ``token_ids``, for the prompt's and every token's ids (the proxy strips both again unless
+    the client asked for them)."""
     out = dict(data)
     opts = data.get("stream_options")
     out["stream_options"] = {**(opts if isinstance(opts, dict) else {}), **CONTINUOUS_USAGE}
+    if token_ids:
+        out["return_token_ids"] = True
     return out
 
 
+def asked_token_ids(data: dict[str, Any]) -> bool:
+    """The client itself asked for ``token_ids`` (and ``prompt_token_ids``) in its chunks."""
+    return data.get("return_token_ids") is True
+
+
 def continuation_body(
-    endpoint: Endpoint, data: dict[str, Any], ledger: StreamLedger
+    endpoint: Endpoint, data: dict[str, Any], ledger: StreamLedger, token_ids: bool = False
 ) -> dict[str, Any] | str:
-    """The body of a continuation leg, or why there can be none."""
+    """The body of a continuation leg, or why there can be none. ``token_ids``: ask this leg
+    for ids too (see :func:`first_leg`), so that a second migration is exact as well."""
     if not ledger.counted and ledger.text:
         return "token count not reported"
     done = ledger.completion_tokens
-    out = first_leg(data)
+    out = first_leg(data, token_ids)
     out.pop("kv_transfer_params", None)  # the continuation prefills on its own consumer
     for name in ("max_tokens", "max_completion_tokens"):
         limit = data.get(name)
@@ -133,7 +155,11 @@ def continuation_body(
     if not done and not ledger.text:
         return out  # nothing generated yet: the request itself, sent again
     text = ledger.generated_text
+    exact = ledger.exact_ids(done)
     if endpoint == Endpoint.COMPLETIONS:
+        if exact is not None:
+            out["prompt"] = exact
+            return out
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -164,6 +190,8 @@ def continuation_body(
     out["messages"] = messages
     out["continue_final_message"] = True
     out["add_generation_prompt"] = False
+    if exact is not None:
+        out["kv_transfer_params"] = {"prompt_token_ids": exact}
     return out
 
 
@@ -250,6 +278,9 @@ class StreamLedger:
     token_ids: list[int] = field(default_factory=list)
     token_ids_complete: bool = True
     """Every content chunk so far carried ``token_ids`` (then they are exact)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt as the first consumer tokenized it (chat: its template rendered), when it
+    sent them (``return_token_ids``)."""
     prompt_tokens: int | None = None
     """The original prompt's token count (from the first leg's usage)."""
     completion_tokens: int = 0
@@ -266,6 +297,15 @@ class StreamLedger:
     @property
     def generated_text(self) -> str:
         return "".join(self.text)
+
+    def exact_ids(self, done: int) -> list[int] | None:
+        """The prompt's ids then the ``done`` generated ids the client received; None unless
+        every one of them is known."""
+        if self.prompt_token_ids is None or not self.token_ids_complete:
+            return None
+        if len(self.token_ids) != done:
+            return None
+        return [*self.prompt_token_ids, *self.token_ids]
 
 
 def _choice(chunk: dict[str, Any]) -> dict[str, Any] | None:
@@ -292,7 +332,7 @@ class ChunkShaper:
     completion = every token generated.
     """
 
-    __slots__ = ("_base", "_client_usage", "_continuation", "_continuous", "ledger")
+    __slots__ = ("_base", "_client_ids", "_client_usage", "_continuation", "_continuous", "ledger")
 
     def __init__(
         self,
@@ -301,12 +341,14 @@ class ChunkShaper:
         continuation: bool,
         client_usage: bool,
         client_continuous: bool,
+        client_token_ids: bool = False,
     ) -> None:
         self.ledger = ledger
         self._continuation = continuation
         self._base = ledger.completion_tokens
         self._client_usage = client_usage
         self._continuous = client_continuous
+        self._client_ids = client_token_ids
 
     def shape(self, chunk: dict[str, Any]) -> bytes | None:
         """The event to send for ``chunk`` (None: nothing to send)."""
@@ -315,6 +357,11 @@ class ChunkShaper:
         choice = _choice(chunk)
         if isinstance(usage, dict):
             self._observe_usage(usage)
+        # vLLM sends the prompt's ids once: chat at the chunk's top level, completions in the
+        # choice. A continuation's prompt ids include generated tokens: never the client's.
+        self._take_prompt_ids(chunk)
+        if choice is not None:
+            self._take_prompt_ids(choice)
         if self._continuation:
             for name, value in ledger.identity.items():
                 if name in chunk:
@@ -340,6 +387,8 @@ class ChunkShaper:
         ids = choice.get("token_ids")
         if isinstance(ids, list):
             ledger.token_ids.extend(t for t in ids if isinstance(t, int))
+            if not self._client_ids:
+                del choice["token_ids"]
         elif text:
             ledger.token_ids_complete = False
         if choice.get("finish_reason") is not None:
@@ -347,6 +396,17 @@ class ChunkShaper:
         if "usage" in chunk:
             chunk["usage"] = self.client_usage() if self._continuous and usage else None
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    def _take_prompt_ids(self, where: dict[str, Any]) -> None:
+        if "prompt_token_ids" not in where:
+            return
+        ids = where["prompt_token_ids"]
+        if self._continuation or not self._client_ids:
+            del where["prompt_token_ids"]
+        if self._continuation or self.ledger.prompt_token_ids is not None:
+            return
+        if isinstance(ids, list) and ids and all(type(t) is int for t in ids):
+            self.ledger.prompt_token_ids = ids
 
     def _observe_usage(self, usage: dict[str, Any]) -> None:
         ledger = self.ledger
