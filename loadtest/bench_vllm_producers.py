@@ -19,17 +19,22 @@ by the consumer, and the producers' computed tokens KV / round robin of the same
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import re
 import sys
-from collections.abc import Sequence
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from kvtier.events import BlockRemoved, BlockStored, EventBatch, EventSubscriber
 from loadtest.vllm_fleet import VllmFleet, run_with_vllm
 from pdproxy.stack.ports import free_port
 from pdproxy.stack.process import ProcessSpec
@@ -60,6 +65,43 @@ def ids(seed: str, n: int) -> list[int]:
 def by_source(client: httpx.Client, url: str) -> dict[str, float]:
     text = client.get(url + "/metrics").text
     return {m[1]: float(m[2]) for m in _SOURCE.finditer(text)}
+
+
+@contextmanager
+def event_counts(instances: dict[str, VllmInstance]) -> Iterator[Counter[tuple[str, str]]]:
+    """Blocks each instance announced stored / removed (its KV events), while the block runs."""
+    counts: Counter[tuple[str, str]] = Counter()
+    stop = threading.Event()
+    ready = threading.Event()
+
+    async def follow() -> None:
+        subs = []
+        for name, inst in instances.items():
+
+            async def on_batch(batch: EventBatch, name: str = name) -> None:
+                for e in batch.events:
+                    if isinstance(e, BlockStored):
+                        counts[name, "stored"] += len(e.block_hashes)
+                    elif isinstance(e, BlockRemoved):
+                        counts[name, "removed"] += len(e.block_hashes)
+
+            sub = EventSubscriber(inst.events_endpoint, inst.replay_endpoint, on_batch=on_batch)
+            await sub.__aenter__()
+            subs.append(sub)
+        ready.set()
+        await asyncio.to_thread(stop.wait)
+        await asyncio.sleep(2.0)  # the last batches of the run
+        for sub in subs:
+            await sub.__aexit__(None, None, None)
+
+    thread = threading.Thread(target=asyncio.run, args=(follow(),), daemon=True)
+    thread.start()
+    ready.wait(30)
+    try:
+        yield counts
+    finally:
+        stop.set()
+        thread.join(30)
 
 
 def handshake(client: httpx.Client, producer: str, consumer: str, tries: int = 3) -> None:
@@ -139,24 +181,28 @@ def bench(args: argparse.Namespace, paths: VllmPaths) -> int:
             for conversations in args.conversations:
                 for router, (url, _) in proxies.items():
                     before = {n: by_source(client, i.url) for n, i in instances.items()}
-                    sticky = workload(client, url, f"{router}/{conversations}", conversations, args)
+                    with event_counts(instances) as events:
+                        tag = f"{router}/{conversations}"
+                        sticky = workload(client, url, tag, conversations, args)
                     after = {n: by_source(client, i.url) for n, i in instances.items()}
                     d = {n: {s: after[n][s] - before[n].get(s, 0.0) for s in after[n]}
                          for n in instances}  # fmt: skip
-                    rows.append((conversations, router, d, sticky))
+                    rows.append((conversations, router, d, sticky, events))
     print(f"{args.turns} turns, {args.user_tokens}-token user messages, "
           f"{args.answer_tokens}-token answers, always disaggregated")  # fmt: skip
     print(f"{'conv':>4} {'router':<12} {'same producer':>13} {'prod computed':>13} "
           f"{'prod cached':>11} {'cons computed':>13} {'cons cached':>11} "
-          f"{'cons transferred':>16}")  # fmt: skip
+          f"{'cons transferred':>16}  KV events (blocks stored/removed)")  # fmt: skip
     computed: dict[tuple[int, str], float] = {}
-    for conversations, router, d, sticky in rows:
+    for conversations, router, d, sticky, events in rows:
         pc = d["p0"]["local_compute"] + d["p1"]["local_compute"]
         ph = d["p0"]["local_cache_hit"] + d["p1"]["local_cache_hit"]
         computed[conversations, router] = pc
         print(f"{conversations:>4} {router:<12} {sticky:>13.0%} {pc:>13.0f} {ph:>11.0f} "
               f"{d['c0']['local_compute']:>13.0f} {d['c0']['local_cache_hit']:>11.0f} "
-              f"{d['c0']['external_kv_transfer']:>16.0f}")  # fmt: skip
+              f"{d['c0']['external_kv_transfer']:>16.0f}  "
+              + " ".join(f"{n} {events[n, 'stored']}/{events[n, 'removed']}"
+                         for n in instances))  # fmt: skip
     for conversations in args.conversations:
         ratio = computed[conversations, "kv"] / max(computed[conversations, "round_robin"], 1.0)
         print(f"{conversations} conversations: producers' computed tokens, kv / round robin = "
