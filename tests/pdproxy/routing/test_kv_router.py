@@ -358,7 +358,7 @@ async def test_predictions_of_both_legs_are_checked_against_the_engines(
     prefix = prompt_text(10, length=1024)
     await router.state.index.apply(NodeId("p1"), stored(prefix))
     d = await router.route(text_request(prefix + "x" * 600), producers, consumers)
-    assert [p.name for p in d.producers][0] == "p1"
+    assert d.producers[0].name == "p1"
     # The consumer gets every full block over KV transfer (pd_cached_tokens: transferred).
     assert (d.predicted_producer_cached_tokens, d.predicted_cached_tokens) == (1024, 1616)
     assert d.explain["predicted_producer_cached_tokens"] == 1024
