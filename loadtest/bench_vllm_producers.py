@@ -85,7 +85,8 @@ def event_counts(instances: dict[str, VllmInstance]) -> Iterator[Counter[tuple[s
                     elif isinstance(e, BlockRemoved):
                         counts[name, "removed"] += len(e.block_hashes)
 
-            sub = EventSubscriber(inst.events_endpoint, inst.replay_endpoint, on_batch=on_batch)
+            # Live only (no replay socket): the run's own events, not the engine's history.
+            sub = EventSubscriber(inst.events_endpoint, None, on_batch=on_batch)
             await sub.__aenter__()
             subs.append(sub)
         ready.set()
