@@ -136,12 +136,13 @@ def proxy_spec(
 
 def workload(
     client: httpx.Client, url: str, tag: str, conversations: int, args: argparse.Namespace
-) -> float:
+) -> float | None:
     """Send the conversations' turns; the share of later turns whose producer served the
-    conversation's previous turn."""
+    conversation's previous turn (None: the router does not say which producer it chose)."""
     prompts = {c: ids(f"{tag}/{c}", args.user_tokens) for c in range(conversations)}
     last: dict[int, str] = {}
     same = 0.0
+    named = False
     for turn in range(args.turns):
         for c in range(conversations):
             body = {"model": SERVED_NAME, "prompt": prompts[c], "max_tokens": args.answer_tokens,
@@ -153,12 +154,13 @@ def workload(
             # Round robin explains only its reason: its stickiness shows in the cache hits.
             rows = json.loads(resp.headers["x-pdproxy-route"]).get("producers") or [{}]
             producer = str(rows[0].get("name", "?"))
+            named = named or producer != "?"
             same += 1.0 if last.get(c) == producer != "?" else 0.0
             last[c] = producer
             answer = resp.json()["choices"][0]["token_ids"]
             prompts[c] = [*prompts[c], *answer, *ids(f"{tag}/{c}/{turn}", args.user_tokens)]
     later: int = conversations * (args.turns - 1)
-    return same / max(later, 1)
+    return same / max(later, 1) if named else None
 
 
 def bench(args: argparse.Namespace, paths: VllmPaths) -> int:
@@ -201,7 +203,8 @@ def bench(args: argparse.Namespace, paths: VllmPaths) -> int:
         pc = d["p0"]["local_compute"] + d["p1"]["local_compute"]
         ph = d["p0"]["local_cache_hit"] + d["p1"]["local_cache_hit"]
         computed[conversations, router] = pc
-        print(f"{conversations:>4} {router:<12} {sticky:>13.0%} {pc:>13.0f} {ph:>11.0f} "
+        same = "n/a" if sticky is None else f"{sticky:.0%}"
+        print(f"{conversations:>4} {router:<12} {same:>13} {pc:>13.0f} {ph:>11.0f} "
               f"{d['c0']['local_compute']:>13.0f} {d['c0']['local_cache_hit']:>11.0f} "
               f"{d['c0']['external_kv_transfer']:>16.0f}  "
               + " ".join(f"{n} {events[n, 'stored']}/{events[n, 'removed']}"
