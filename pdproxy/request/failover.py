@@ -49,18 +49,20 @@ from pdproxy.front.intake import ClientBody, Endpoint
 from pdproxy.front.responses import stream_error_event
 from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.request.continuation import (
-    ChunkShaper,
-    EventSplitter,
-    StreamLedger,
-    StreamNotFollowable,
     asked_token_ids,
     continuation_body,
-    event_data,
     first_leg,
     migration_refusal,
 )
 from pdproxy.request.legs import leg_headers
 from pdproxy.request.relay import LegHold, Relay, StreamEnd
+from pdproxy.request.stream_ledger import (
+    ChunkShaper,
+    EventSplitter,
+    StreamLedger,
+    StreamNotFollowable,
+    event_data,
+)
 from pdproxy.settings.proxy import FailoverSettings
 from pdproxy.upstream.client import Upstream
 from pdproxy.upstream.pool import HttpClientError
