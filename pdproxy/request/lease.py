@@ -204,6 +204,7 @@ class RequestLease:
             outcome = RequestOutcome(
                 producer=record.producer, consumer=record.consumer, ok=ok,
                 cached_tokens=record.cached_tokens,
+                producer_cached_tokens=record.producer_cached_tokens,
             )  # fmt: skip
             try:
                 await self._router.finished(self.decision, outcome)

@@ -65,6 +65,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model dir (PDPROXY_VLLM_MODEL_DIR, else in the venv)")  # fmt: skip
     parser.add_argument("--producers", type=int, default=1, help="producer workers (1)")
     parser.add_argument("--consumers", type=int, default=1, help="consumer workers (1)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help="data-parallel ranks per worker (1), routed per rank")  # fmt: skip
     parser.add_argument(
         "--model",
         choices=[m.value for m in WorkerModel],
@@ -158,6 +160,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         worker_args=tuple(worker_args),
         proxy_args=tuple(args.proxy_arg),
         router=args.router,
+        data_parallel_size=args.data_parallel_size,
     )
 
 

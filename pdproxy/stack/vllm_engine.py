@@ -139,6 +139,9 @@ class VllmInstance:
     """kvtier connector: the instance's P2P server port (its ``kv_address`` for the proxy)."""
     adapters: tuple[str, ...] = ()
     """LoRA adapters it loads at start (``--lora-modules``), served under their own names."""
+    data_parallel_size: int = 1
+    """Ranks (``--data-parallel-size``): rank ``r`` connects its KV events to the events port
+    + ``r``, where the proxy listens (``events_listen``), and binds its replay port + ``r``."""
 
 
 def engine_env(side_channel_port: int | None) -> dict[str, str]:
@@ -176,8 +179,15 @@ def vllm_instance(
     p2p_secret: str | None = None,
     kvtier_options: Mapping[str, object] | None = None,
     lora_modules: Mapping[str, Path] | None = None,
+    data_parallel_size: int = 1,
+    dp_event_ports: tuple[int, int] | None = None,
 ) -> VllmInstance:
     """The command line of one instance; its event sockets are files in ``socket_dir``.
+
+    ``data_parallel_size`` > 1 needs ``dp_event_ports``: the first of that many consecutive free
+    ports each for the events and the replay sockets (TCP on loopback: vLLM 0.32 refuses
+    ``ipc://`` for rank 1 and up), and a NIXL side channel at the first of as many (rank ``r``
+    listens on its port + ``r``).
 
     ``connector=KVTIER`` needs ``p2p_port`` and ``p2p_secret`` for PD roles (and ignores
     ``side_channel_port``); ``kvtier_options`` are more ``kv_connector_extra_config`` keys
@@ -185,6 +195,12 @@ def vllm_instance(
     (:func:`pdproxy.stack.vllm_lora.make_adapter`), loaded with ``--enable-lora``."""
     events = f"ipc://{socket_dir / f'{name}-events'}"
     replay = f"ipc://{socket_dir / f'{name}-replay'}"
+    if data_parallel_size > 1:
+        if dp_event_ports is None:
+            raise ValueError(f"{name}: {data_parallel_size} ranks need runs of event ports")
+        # A concrete address: vLLM's PUB connects to the proxy listening there; replay binds.
+        events = f"tcp://127.0.0.1:{dp_event_ports[0]}"
+        replay = f"tcp://127.0.0.1:{dp_event_ports[1]}"
     kv_events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -204,6 +220,8 @@ def vllm_instance(
         "--enable-prompt-tokens-details",
         "--kv-events-config", json.dumps(kv_events),
     ]  # fmt: skip
+    if data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(data_parallel_size)]
     kvtier = connector is VllmConnector.KVTIER and role is not VllmRole.SINGLE
     env = engine_env(None)
     if kvtier:
@@ -251,7 +269,7 @@ def vllm_instance(
     )
     used = connector if role is not VllmRole.SINGLE else VllmConnector.NIXL
     p2p = p2p_port if kvtier else None
-    return VllmInstance(spec, url, events, replay, role, used, p2p, adapters)
+    return VllmInstance(spec, url, events, replay, role, used, p2p, adapters, data_parallel_size)
 
 
 def proxy_backend(instance: VllmInstance, *, list_models: bool = False) -> dict[str, Any]:
@@ -275,6 +293,9 @@ def proxy_backend(instance: VllmInstance, *, list_models: bool = False) -> dict[
         backend["kv_address"] = f"127.0.0.1:{instance.p2p_port}"
     if instance.adapters or list_models:
         backend["models"] = [SERVED_NAME, *instance.adapters]
+    if instance.data_parallel_size > 1:
+        backend["data_parallel_size"] = instance.data_parallel_size
+        backend["events_listen"] = True
     return backend
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pdproxy.stack.plan import PortSource, StackOptions, StackPlan, model_name, proxy_process
-from pdproxy.stack.ports import free_port
+from pdproxy.stack.ports import free_port, free_port_run
 from pdproxy.stack.vllm_engine import (
     SERVED_NAME,
     VllmConnector,
@@ -123,20 +123,30 @@ def build_vllm_plan(
         picked.add(port)
         return port
 
+    dp = options.data_parallel_size
+    if dp > 1 and kvtier:
+        raise ValueError("--data-parallel-size with --connector kvtier is not supported")
+
+    def side_channel() -> int:
+        # Bound only once the engine has started: from the fixed range, like P2P ports; rank r
+        # listens on the port + r.
+        return p2p_port() if dp == 1 else free_port_run(dp)
+
     instances = [
         vllm_instance(
             f"{role.value[0]}{i}",
             role,
             paths,
             http_port=ports(),
-            # Bound only once the engine has started: from the fixed range, like P2P ports.
-            side_channel_port=None if kvtier else p2p_port(),
+            side_channel_port=None if kvtier else side_channel(),
             socket_dir=socket_dir,
             extra_args=options.worker_args,
             connector=connector,
             p2p_port=p2p_port() if kvtier else None,
             p2p_secret=p2p_secret,
             lora_modules=lora_modules,
+            data_parallel_size=dp,
+            dp_event_ports=(free_port_run(dp), free_port_run(dp)) if dp > 1 else None,
         )
         for role, i in roles
     ]

@@ -136,6 +136,8 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
     agg = proxy_config(agg_backends, paths, host="127.0.0.1", port=0)
     # Predictions written at routing time expire fast, so the routing test sees events only.
     agg["router_options"]["prediction_ttl_s"] = 0.05
+    # A stream whose consumer dies moves to the other one (test_failover).
+    agg["failover"] = {"max_migrations": 1}
     env = {"PYTHONPATH": str(ROOT)}
     started = time.monotonic()
     with Supervisor(log_dir, stop_grace_s=15.0) as supervisor:
@@ -235,14 +237,17 @@ def pytest_runtest_makereport(
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that kill an instance run after every other test of the shared stack; the
-    package's tests keep their place in the session (the stack starts once)."""
+    """Tests that kill an instance run after every other test of the shared stack (the one
+    killing a consumer last: the producer's test needs both consumers); the package's tests
+    keep their place in the session (the stack starts once)."""
     here = Path(__file__).parent
     slots = [i for i, item in enumerate(items) if here in item.path.parents]
-    ours = sorted(
-        (items[i] for i in slots),
-        key=lambda item: "kills_producer" in getattr(item, "fixturenames", ()),
-    )
+
+    def kills(item: pytest.Item) -> tuple[bool, bool]:
+        names = getattr(item, "fixturenames", ())
+        return "kills_consumer" in names, "kills_producer" in names
+
+    ours = sorted((items[i] for i in slots), key=kills)
     for i, item in zip(slots, ours, strict=True):
         items[i] = item
 
@@ -250,6 +255,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def kills_producer(vllm_stack: VllmStack) -> VllmStack:
     """Marks a test that kills p0: it runs last (see ``pytest_collection_modifyitems``)."""
+    return vllm_stack
+
+
+@pytest.fixture
+def kills_consumer(vllm_stack: VllmStack) -> VllmStack:
+    """Marks a test that kills d0 or r0: it runs after every other (see
+    ``pytest_collection_modifyitems``)."""
     return vllm_stack
 
 
