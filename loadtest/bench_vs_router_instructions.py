@@ -3,7 +3,9 @@
 On a shared machine CPU seconds per request drift with other load; instruction counts do not.
 Runs ``pdproxy serve --workers 1`` under ``valgrind --tool=callgrind`` with instrumentation off,
 warms it up, turns instrumentation on for ``--requests`` requests (non-stream 16 tokens, or a
-64-chunk stream, at ``--concurrency``), dumps, and prints instructions per request; with
+64-chunk stream, at ``--concurrency``), dumps, and prints instructions and Python allocations
+(calls into ``PyObject_Malloc`` and kin: tracemalloc sees only live blocks, not how many were
+taken) per request; with
 ``--baseline-tree DIR`` the same for another checkout, and the ratio. Needs ``valgrind``
 (Debian: ``apt-get install valgrind``); the proxy under valgrind is ~50x slower, so keep
 ``--requests`` small (a few hundred: ~1 minute).
@@ -29,19 +31,23 @@ import aiohttp
 
 from loadtest.bench_proxy import _run_cell, _wait_ready
 from loadtest.bench_vs_router import _body, _post
+from loadtest.bench_vs_router_fronts import ALLOCATORS, callgrind_counts
 from loadtest.child import child_process
 from pdproxy.stack.ports import free_port
 
 
 async def _instructions(
     tree: Path, p_url: str, d_url: str, args: argparse.Namespace, out_dir: Path
-) -> float:
+) -> tuple[float, float]:
+    """Instructions and Python allocations (calls into ``PyObject_Malloc`` and kin) per
+    request."""
     port = free_port()
     out = out_dir / f"callgrind.{port}"
-    argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-            sys.executable, "-m", "pdproxy.cli", "serve", "--port", str(port), "--workers", "1",
+    argv = ["valgrind", "-q", "--tool=callgrind", "--instr-atstart=no",
+            f"--callgrind-out-file={out}", sys.executable, "-m", "pdproxy.cli", "serve",
+            "--port", str(port), "--workers", "1",
             "--producer", p_url, "--consumer", d_url, "--log-level", "warning"]  # fmt: skip
-    if not (tree / "pdproxy" / "process_group.py").exists():
+    if "--workers" not in (tree / "pdproxy" / "cli.py").read_text():
         argv = [a for a in argv if a not in ("--workers", "1")]  # a tree from before --workers
     env = {**os.environ, "PDPROXY_HEALTH__ENABLED": "false", "PYTHONPATH": str(tree)}
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -59,14 +65,10 @@ async def _instructions(
     if errors:
         raise RuntimeError(f"{errors} requests failed")
     requests: int = args.requests
-    return _totals(Path(f"{out}.1")) / requests
-
-
-def _totals(dump: Path) -> int:
-    for line in dump.read_text().splitlines():
-        if line.startswith("totals:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no totals in {dump}")
+    total, calls = callgrind_counts(Path(f"{out}.1"), ALLOCATORS)
+    if not total:
+        raise RuntimeError(f"no instructions counted in {out}.1")
+    return total / requests, sum(calls.values()) / requests
 
 
 async def _wait_up(session: aiohttp.ClientSession, url: str, timeout_s: float = 300) -> None:
@@ -80,12 +82,14 @@ async def _wait_up(session: aiohttp.ClientSession, url: str, timeout_s: float = 
             await asyncio.sleep(0.5)
 
 
-async def _bench(args: argparse.Namespace, trees: dict[str, Path]) -> dict[str, float]:
+async def _bench(
+    args: argparse.Namespace, trees: dict[str, Path]
+) -> dict[str, tuple[float, float]]:
     p_port, d_port = free_port(), free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     backends = [sys.executable, "-m", "loadtest.fake_backend",
                 "--listen", f"P={p_port}", "--listen", f"D={d_port}"]  # fmt: skip
-    results: dict[str, float] = {}
+    results: dict[str, tuple[float, float]] = {}
     with child_process(backends), tempfile.TemporaryDirectory() as tmp:
         async with aiohttp.ClientSession() as session:
             for url in (p_url, d_url):
@@ -109,10 +113,11 @@ def main(argv: list[str] | None = None) -> None:
         trees["baseline"] = Path(args.baseline_tree).resolve()
     results = asyncio.run(_bench(args, trees))
     kind = "stream64" if args.stream else "nonstream"
-    for name, ir in results.items():
-        print(f"{kind:<10} {name:<9} {ir:>12,.0f} instructions/request")
+    for name, (ir, allocs) in results.items():
+        print(f"{kind:<10} {name:<9} {ir:>12,.0f} instructions/request  {allocs:>7.1f} allocations")
     with contextlib.suppress(KeyError):
-        print(f"pdproxy / baseline: x{results['pdproxy'] / results['baseline']:.3f}")
+        ratio = results["pdproxy"][0] / results["baseline"][0]
+        print(f"pdproxy / baseline: x{ratio:.3f} instructions")
 
 
 if __name__ == "__main__":
