@@ -157,8 +157,10 @@ def _serve_uvicorn(kind: str, port: int) -> None:
                     gate.wait(self, self._source)
 
         http = Direct
+    # As ``pdproxy serve`` runs uvicorn: no proxy-headers middleware, no access log.
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http=http, access_log=False,
-                log_level="warning", server_header=False, lifespan="off")  # fmt: skip
+                proxy_headers=False, log_level="warning", server_header=False,
+                lifespan="off")  # fmt: skip
 
 
 class _RawProtocol(asyncio.Protocol):
