@@ -336,6 +336,33 @@ def callgrind_counts(dump: Path, callees: tuple[str, ...]) -> tuple[int, dict[st
     return total, calls
 
 
+def callgrind_by_object(dump: Path) -> dict[str, int]:
+    """Self instructions in ``dump`` per ELF object (the interpreter, uvloop, httptools,
+    orjson, libc, a Rust extension...): where a server's instructions go, by library."""
+    names: dict[str, str] = {}
+    by_object: dict[str, int] = {}
+    current = "?"
+    skip_next = False  # the cost line after ``calls=`` is the call's inclusive cost
+    for line in dump.read_text(errors="replace").splitlines():
+        if not line:
+            continue
+        first = line[0]
+        if first.isdigit() or first in "+-*":
+            if skip_next:
+                skip_next = False
+                continue
+            by_object[current] = by_object.get(current, 0) + int(line.split()[-1])
+        elif line.startswith(("ob=", "cob=")):
+            ref, _, name = line.partition("=")[2].partition(" ")
+            if name:  # a name is given once, where first used, by either kind of line
+                names[ref] = name
+            if line[0] == "o":
+                current = names.get(ref, ref)
+        elif line.startswith("calls="):
+            skip_next = True
+    return by_object
+
+
 async def _instructions(
     args: argparse.Namespace, kind: str, out_dir: Path
 ) -> tuple[float, float, float]:

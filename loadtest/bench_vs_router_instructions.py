@@ -13,7 +13,7 @@ process, its Python launcher and its Rust threads), and the ratio. Needs ``valgr
 ``--requests`` small (a few hundred: ~1 minute).
 
     python -m loadtest.bench_vs_router_instructions [--requests 500] [--stream]
-        [--baseline-tree DIR] [--router [--router-venv DIR]]
+        [--baseline-tree DIR] [--router [--router-venv DIR]] [--by-object]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import aiohttp
 
 from loadtest.bench_proxy import _run_cell, _wait_ready
 from loadtest.bench_vs_router import _body, _post, _router_argv, router_binary
-from loadtest.bench_vs_router_fronts import ALLOCATORS, callgrind_counts
+from loadtest.bench_vs_router_fronts import ALLOCATORS, callgrind_by_object, callgrind_counts
 from loadtest.child import child_process
 from pdproxy.stack.ports import free_port
 
@@ -48,7 +48,7 @@ def _pdproxy_argv(tree: Path, port: int, p_url: str, d_url: str) -> list[str]:
 
 
 async def _instructions(
-    argv: list[str], port: int, args: argparse.Namespace, out_dir: Path,
+    name: str, argv: list[str], port: int, args: argparse.Namespace, out_dir: Path,
     *, env: dict[str, str], cwd: str | None = None,
 ) -> tuple[float, float]:  # fmt: skip
     """Instructions and Python allocations (calls into ``PyObject_Malloc`` and kin) per
@@ -71,9 +71,15 @@ async def _instructions(
     if errors:
         raise RuntimeError(f"{errors} requests failed")
     requests: int = args.requests
-    total, calls = callgrind_counts(Path(f"{out}.1"), ALLOCATORS)
+    dump = Path(f"{out}.1")
+    total, calls = callgrind_counts(dump, ALLOCATORS)
     if not total:
-        raise RuntimeError(f"no instructions counted in {out}.1")
+        raise RuntimeError(f"no instructions counted in {dump}")
+    if args.by_object:
+        print(f"  {name}: self instructions per request, by library")
+        by_object = callgrind_by_object(dump)
+        for lib, ir in sorted(by_object.items(), key=lambda kv: kv[1], reverse=True)[:12]:
+            print(f"    {ir / requests:>10,.0f}  {Path(lib).name}")
     return total / requests, sum(calls.values()) / requests
 
 
@@ -104,13 +110,15 @@ async def _bench(
         for name, tree in trees.items():
             port = free_port()
             results[name] = await _instructions(
-                _pdproxy_argv(tree, port, p_url, d_url), port, args, Path(tmp),
+                name, _pdproxy_argv(tree, port, p_url, d_url), port, args, Path(tmp),
                 env={**base_env, "PYTHONPATH": str(tree)}, cwd=str(tree),
             )  # fmt: skip
         if args.router:
             port = free_port()
             argv = _router_argv(router_binary(args.router_venv.resolve()), port, p_url, d_url)
-            results["router"] = await _instructions(argv, port, args, Path(tmp), env=base_env)
+            results["router"] = await _instructions(
+                "router", argv, port, args, Path(tmp), env=base_env
+            )
     return results
 
 
@@ -120,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--stream", action="store_true", help="64-chunk streams")
     parser.add_argument("--baseline-tree", metavar="DIR", help="also measure this checkout")
+    parser.add_argument(
+        "--by-object", action="store_true",
+        help="also print each server's instructions per library (ELF object)",
+    )  # fmt: skip
     parser.add_argument(
         "--router", action="store_true", help="also measure vllm-router (same load, same fakes)"
     )
