@@ -254,6 +254,9 @@ def _router_argv(binary: Path, port: int, p_url: str, d_url: str) -> list[str]:
     return [str(binary), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
             "--prefill", p_url, "--decode", d_url, "--policy", "round_robin",
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            # Its metrics listener on a free port too (a fixed default clashes with any other
+            # router on the machine, a previous run's included).
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--max-concurrent-requests", "1024", "--queue-size", "1024"]  # fmt: skip
 
 

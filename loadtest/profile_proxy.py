@@ -9,14 +9,16 @@ after another under the profiler and prints:
 - Python function calls per request (cProfile's count: calls into Python functions and into
   built-ins, the number the hot-path budget is kept in);
 - the number of modules (files) that ran code, and how many of them are pdproxy's;
-- with ``--top N``, the N functions with the most calls per request.
+- with ``--top N``, the N functions with the most calls per request;
+- with ``--callers N``, the N functions that make the most calls per request (the callers);
+- with ``--by-module``, the calls made from each module family's code (the budget's lines).
 
 A single streamed chat completion (``--requests 1 --kind chat-stream``) lists the pdproxy
 modules it executed with ``--modules``. Counts, not timings: they do not depend on how busy
 the machine is.
 
     python -m loadtest.profile_proxy [--requests 1000] [--kind chat-stream ...] [--top 30]
-        [--modules] [--proxy-tree DIR]
+        [--callers 30] [--by-module] [--modules] [--proxy-tree DIR]
 """
 
 from __future__ import annotations
@@ -74,13 +76,15 @@ def start(_sig, _frame):
 
 def stop(_sig, _frame):
     profiler.disable()
+    def key(code):
+        if isinstance(code, str):
+            return ["~", 0, code]
+        return [code.co_filename, code.co_firstlineno, code.co_qualname]
+
     rows = []
     for entry in profiler.getstats():
-        code = entry.code
-        if isinstance(code, str):
-            rows.append(["~", 0, code, entry.callcount])
-        else:
-            rows.append([code.co_filename, code.co_firstlineno, code.co_qualname, entry.callcount])
+        callees = [key(sub.code) + [sub.callcount] for sub in (entry.calls or ())]
+        rows.append(key(entry.code) + [entry.callcount, callees])
     with open(out + ".tmp", "w") as f:
         json.dump(rows, f)
     import os
@@ -116,8 +120,10 @@ async def _send(session: aiohttp.ClientSession, url: str, kind: str, n: int) -> 
                 raise RuntimeError(f"proxy answered {resp.status}")
 
 
-Row = tuple[str, int, str, int]
+Callee = tuple[str, int, str, int]
 """(file, first line, qualified name, calls); file ``~`` for built-ins."""
+Row = tuple[str, int, str, int, list[Callee]]
+"""A function as a callee (its calls) and as a caller (the calls it made, per callee)."""
 
 
 def _profile_of(path: Path, deadline_s: float = 30.0) -> list[Row]:
@@ -125,12 +131,35 @@ def _profile_of(path: Path, deadline_s: float = 30.0) -> list[Row]:
     while time.monotonic() < end:
         if path.exists():  # written whole, then renamed
             data = orjson.loads(path.read_bytes())
-            return [(str(f), int(line), str(name), int(n)) for f, line, name, n in data]
+            return [
+                (str(f), int(line), str(name), int(n), [tuple(c) for c in callees])
+                for f, line, name, n, callees in data
+            ]
         time.sleep(0.05)
     raise RuntimeError("the proxy wrote no profile")
 
 
-def _report(rows: list[Row], kind: str, n: int, *, top: int, modules: bool, tree: Path) -> None:
+def _where(file: str, line: int) -> str:
+    return "built-in" if file == "~" else f"{Path(file).name}:{line}"
+
+
+def module_family(file: str) -> str:
+    """Where code lives, for the budget: ``pdproxy/<folder or module>``, a library's top-level
+    package, or ``python`` for the standard library."""
+    parts = Path(file).parts
+    if "pdproxy" in parts:
+        i = len(parts) - 1 - parts[::-1].index("pdproxy")
+        rest = parts[i + 1 :]
+        return "pdproxy/" + (rest[0].removesuffix(".py") if rest else "")
+    if "site-packages" in parts:
+        return parts[parts.index("site-packages") + 1].removesuffix(".py")
+    return "python"
+
+
+def _report(
+    rows: list[Row], kind: str, n: int, *, top: int, callers: int, by_module: bool,
+    modules: bool, tree: Path,
+) -> None:  # fmt: skip
     calls = sum(row[3] for row in rows)
     files = {row[0] for row in rows if row[0] != "~" and row[3]}
     ours = sorted(f for f in files if f"{os.sep}pdproxy{os.sep}" in f)
@@ -140,9 +169,33 @@ def _report(rows: list[Row], kind: str, n: int, *, top: int, modules: bool, tree
     if modules:
         for f in ours:
             print("    " + f.removeprefix(str(tree) + os.sep))
-    for file, line, name, count in sorted(rows, key=lambda row: row[3], reverse=True)[:top]:
-        where = "built-in" if file == "~" else f"{Path(file).name}:{line}"
-        print(f"    {count / n:7.1f}  {name}  ({where})")
+    for file, line, name, count, _ in sorted(rows, key=lambda row: row[3], reverse=True)[:top]:
+        print(f"    {count / n:7.1f}  {name}  ({_where(file, line)})")
+    made = [(sum(c[3] for c in row[4]), row) for row in rows if row[0] != "~"]
+    if callers:
+        print(f"  top {callers} callers (calls each made, per request):")
+        for count, (file, line, name, _, _) in sorted(made, key=lambda m: m[0], reverse=True)[
+            :callers
+        ]:
+            print(f"    {count / n:7.1f}  {name}  ({_where(file, line)})")
+    if by_module:
+        # Calls made from each family's code; what nobody profiled called (the event loop's
+        # callbacks, the server's protocol entry points) is the loop's.
+        family: dict[str, int] = {}
+        for count, row in made:
+            key = module_family(row[0])
+            family[key] = family.get(key, 0) + count
+        called = {(c[0], c[1], c[2]): 0 for row in rows for c in row[4]}
+        for row in rows:
+            for c in row[4]:
+                called[(c[0], c[1], c[2])] += c[3]
+        family["(event loop)"] = sum(
+            row[3] - called.get((row[0], row[1], row[2]), 0) for row in rows
+        )
+        print("  calls made from each module family, per request:")
+        for key, count in sorted(family.items(), key=lambda kv: kv[1], reverse=True):
+            if count / n >= 0.5:
+                print(f"    {count / n:7.1f}  {key}")
 
 
 async def _run(args: argparse.Namespace) -> None:
@@ -177,6 +230,8 @@ async def _run(args: argparse.Namespace) -> None:
                     kind,
                     args.requests,
                     top=args.top,
+                    callers=args.callers,
+                    by_module=args.by_module,
                     modules=args.modules,
                     tree=tree,
                 )
@@ -187,6 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--kind", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--top", type=int, default=0, help="list the N most-called functions")
+    parser.add_argument(
+        "--callers", type=int, default=0, help="list the N functions making the most calls"
+    )
+    parser.add_argument(
+        "--by-module", action="store_true", help="calls made from each module family's code"
+    )
     parser.add_argument("--modules", action="store_true", help="list the pdproxy modules run")
     parser.add_argument(
         "--proxy-tree",

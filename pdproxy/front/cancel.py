@@ -103,24 +103,30 @@ class RequestCanceller:
 
 
 class IdleWatchdog:
-    """Fires ``canceller`` with :data:`CONSUMER_IDLE` when ``touch`` is not called for idle_s."""
+    """Fires ``canceller`` with :data:`CONSUMER_IDLE` when it was not touched for idle_s.
 
-    __slots__ = ("_canceller", "_handle", "_idle_s", "_last", "_loop")
+    Touching is :meth:`touch`, or, on a relay's per-chunk path, setting :attr:`last` to
+    :attr:`clock` ``()`` (the same, one Python call fewer per chunk)."""
+
+    __slots__ = ("_canceller", "_handle", "_idle_s", "_loop", "clock", "last")
 
     def __init__(self, canceller: RequestCanceller, idle_s: float) -> None:
         self._loop = asyncio.get_running_loop()
         self._canceller = canceller
         self._idle_s = idle_s
-        self._last = self._loop.time()
+        self.clock = self._loop.time
+        """The loop's clock, which :attr:`last` is read against."""
+        self.last = self._loop.time()
+        """When it was last touched (:attr:`clock`'s time)."""
         self._handle: asyncio.TimerHandle | None = self._loop.call_at(
-            self._last + idle_s, self._check
+            self.last + idle_s, self._check
         )
 
     def touch(self) -> None:
-        self._last = self._loop.time()
+        self.last = self._loop.time()
 
     def _check(self) -> None:
-        due = self._last + self._idle_s
+        due = self.last + self._idle_s
         if self._loop.time() >= due:
             self._handle = None
             self._canceller.fire(CONSUMER_IDLE)

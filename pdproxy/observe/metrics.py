@@ -2,16 +2,26 @@
 
 Counters and histograms are updated on the request path; per-backend gauges (in flight,
 breaker state, health) and the queue depth are read from live objects at scrape time.
+
+The three series every request updates (``pdproxy_requests``, ``pdproxy_leg_latency_seconds``,
+``pdproxy_time_to_first_byte_seconds``) are :class:`LoopCounter` and :class:`LoopHistogram`:
+plain numbers per label set, no lock and no checks per update (prometheus_client's take a lock
+and run a Python loop over the buckets: ~30 Python calls per request). They are updated and
+collected on the event loop only, which is the one thread that ever touches them; their
+exposition is prometheus_client's own, sample for sample (``tests/pdproxy/observe``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol, cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -70,30 +80,113 @@ class _LiveCollector(Collector):
         yield from (in_flight, breaker, healthy, queue)
 
 
+class _Count:
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+
+class LoopCounter(Collector):
+    """A labelled counter for the event loop's thread only: :meth:`child` once per label
+    set, then ``child.value += 1``; exposed as prometheus_client's ``Counter`` is."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _Count] = {}
+
+    def child(self, *labels: str) -> _Count:
+        found = self._children.get(labels)
+        if found is None:
+            found = self._children[labels] = _Count()
+        return found
+
+    def collect(self) -> Iterator[Metric]:
+        metric = Metric(self._name, self._doc, "counter")
+        for labels, count in list(self._children.items()):
+            named = dict(zip(self._labelnames, labels, strict=True))
+            metric.add_sample(self._name + "_total", named, count.value)
+            metric.add_sample(self._name + "_created", named, count.created)
+        yield metric
+
+
+class _Buckets:
+    __slots__ = ("counts", "created", "sum")
+
+    def __init__(self, size: int) -> None:
+        self.counts = [0] * size
+        self.sum = 0.0
+        self.created = time.time()
+
+
+class LoopHistogram(Collector):
+    """A labelled histogram for the event loop's thread only: :meth:`observe` finds the
+    bucket by bisection (in C) and adds; exposed as prometheus_client's ``Histogram`` is."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]
+    ) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        bounds = [float(b) for b in buckets]
+        if bounds[-1] != float("inf"):
+            bounds.append(float("inf"))
+        self._bounds = bounds
+        go_string = cast(Callable[[float], str], floatToGoString)  # untyped upstream
+        self._les = [go_string(b) for b in bounds]
+        self._children: dict[tuple[str, ...], _Buckets] = {}
+
+    def observe(self, labels: tuple[str, ...], amount: float) -> None:
+        child = self._children.get(labels)
+        if child is None:
+            child = self._children[labels] = _Buckets(len(self._bounds))
+        # The first bucket whose bound is >= amount (prometheus_client's ``amount <= bound``).
+        child.counts[bisect_left(self._bounds, amount)] += 1
+        child.sum += amount
+
+    def collect(self) -> Iterator[Metric]:
+        metric = Metric(self._name, self._doc, "histogram")
+        name = self._name
+        for labels, child in list(self._children.items()):
+            named = dict(zip(self._labelnames, labels, strict=True))
+            total = 0.0
+            for le, count in zip(self._les, child.counts, strict=True):
+                total += count
+                metric.add_sample(name + "_bucket", {**named, "le": le}, total)
+            metric.add_sample(name + "_count", named, total)
+            metric.add_sample(name + "_sum", named, child.sum)
+            metric.add_sample(name + "_created", named, child.created)
+        yield metric
+
+
 class ProxyMetrics:
     def __init__(self, backends: BackendSource, queue_depth: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "pdproxy_requests",
             "Client requests by route, status and dialect",
             ["route", "status", "dialect"],
-            registry=r,
         )
-        self.leg_latency = Histogram(
+        r.register(self.requests)
+        self.leg_latency = LoopHistogram(
             "pdproxy_leg_latency_seconds",
             "Upstream leg latency (producer: whole answer; consumer: whole leg)",
             ["leg", "backend"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.ttfb = Histogram(
+        r.register(self.leg_latency)
+        self.ttfb = LoopHistogram(
             "pdproxy_time_to_first_byte_seconds",
             "Client request start to the first byte committed to the client",
             ["route"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
+        r.register(self.ttfb)
         self.retries = Counter("pdproxy_retries", "Leg retries", ["leg"], registry=r)
         self.fallbacks = Counter(
             "pdproxy_fallbacks",
@@ -139,7 +232,8 @@ class ProxyMetrics:
         r.register(_LiveCollector(backends, queue_depth))
         self._children: dict[tuple[object, ...], Any] = {}
 
-    # Hot-path helpers: labelled children are cached (``labels()`` takes a lock each call).
+    # Labelled children of prometheus_client's metrics are cached (``labels()`` takes a lock
+    # each call); the per-request series are the loop's own (module docstring).
 
     def _child(self, metric: Counter | Histogram, *values: str) -> Any:
         key = (id(metric), *values)
@@ -149,13 +243,17 @@ class ProxyMetrics:
         return child
 
     def count_request(self, route: str, status: int, dialect: str) -> None:
-        self._child(self.requests, route, str(status), dialect).inc()
+        self.requests.child(route, _STATUS.get(status) or str(status), dialect).value += 1
 
     def observe_leg(self, leg: str, backend: str, seconds: float) -> None:
-        self._child(self.leg_latency, leg, backend).observe(seconds)
+        self.leg_latency.observe((leg, backend), seconds)
 
     def observe_ttfb(self, route: str, seconds: float) -> None:
-        self._child(self.ttfb, route).observe(seconds)
+        self.ttfb.observe((route,), seconds)
 
     def upstream_failure(self, backend: str, kind: str) -> None:
         self._child(self.upstream_failures, backend, kind).inc()
+
+
+_STATUS = {code: str(code) for code in range(100, 600)}
+"""Each status's label, made once (``str(status)`` on every request otherwise)."""

@@ -8,8 +8,9 @@ that only shape the answer removed (:data:`PRODUCER_REMOVED_FIELDS`): ``stream_o
 ``logprobs`` because chat engines refuse one without the other).
 
 Consumer leg: the client's body with only ``kv_transfer_params`` set (NIXL: the producer's
-returned object verbatim; P2P: ``remote_prefiller`` built from the producer's answer), or the
-client's raw bytes unchanged when there is nothing to set (aggregated backends, fallback).
+returned object verbatim; P2P: ``remote_prefiller`` built from the producer's answer), spliced
+into the client's bytes (:func:`consumer_body`), or the client's raw bytes unchanged when there
+is nothing to set (aggregated backends, fallback).
 
 Every other field is left exactly as the client sent it: nothing is re-typed or defaulted.
 """
@@ -74,9 +75,25 @@ def producer_body(body: ClientBody, kv_params: Mapping[str, Any]) -> bytes:
     return body.encode(data)
 
 
+_JSON_SPACE = b" \t\n\r"
+
+
 def consumer_body(body: ClientBody, kv_params: Mapping[str, Any] | None) -> bytes:
+    """The client's bytes with ``kv_transfer_params`` spliced in before the object's closing
+    brace: no copy of the parsed body and no re-encoding of it on every request, and every
+    other byte exactly as the client sent it. Re-encoded instead when the bytes cannot take a
+    plain splice (a leading BOM, the key already present, params orjson cannot write)."""
     if kv_params is None:
         return body.raw
+    raw = body.raw.rstrip(_JSON_SPACE)
+    if raw[-1:] == b"}" and raw[:1] != b"\xef" and "kv_transfer_params" not in body.data:
+        try:
+            encoded = orjson.dumps(kv_params)
+        except orjson.JSONEncodeError:
+            pass  # nested deeper than orjson writes: the codec's fallback below
+        else:
+            member = b'"kv_transfer_params":' + encoded
+            return raw[:-1] + (b"," + member + b"}" if body.data else member + b"}")
     data = dict(body.data)
     data["kv_transfer_params"] = kv_params
     return body.encode(data)

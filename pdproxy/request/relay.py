@@ -126,7 +126,7 @@ class Relay:
         prev = b""
         last = self._first
         watchdog: IdleWatchdog | None = None
-        read = self._upstream.read_chunk
+        read = self._upstream.chunk_reader()
         canceller = self._canceller
         try:
             try:
@@ -138,9 +138,11 @@ class Relay:
                     if last:
                         await send({"type": "http.response.body", "body": last, "more_body": True})
                     watchdog = IdleWatchdog(canceller, self._idle_s)
-                    touch = watchdog.touch
+                    clock = watchdog.clock
                     while True:
-                        touch()  # the idle clock runs only while we wait on the consumer
+                        # The idle clock runs only while we wait on the consumer (touched
+                        # without a call: this runs for every chunk).
+                        watchdog.last = clock()
                         chunk = await read()
                         if not chunk:
                             break

@@ -45,6 +45,39 @@ def classify_status(backend: str, status: int, body: bytes, content_type: str) -
     raise LegRefused(backend, status, body, content_type)
 
 
+class LegDeadline:
+    """A leg's deadline: one loop timer that cancels the leg's task when it fires.
+
+    What ``asyncio.timeout`` does, without its context manager, its rescheduling and its
+    Python calls on every leg (two per request): the caller cancels the timer when the leg is
+    done (:meth:`cancel`) and, on ``CancelledError``, asks :meth:`expired` whether the cancel
+    was this deadline's. As with ``asyncio.timeout``, a cancel from elsewhere (the client
+    leaving) that lands together with the deadline wins: ``expired`` is False then. Made and
+    used on the event loop, inside the leg's task."""
+
+    __slots__ = ("_cancelling", "_task", "_timer", "fired")
+
+    def __init__(self, timeout_s: float) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "a leg runs in a task"
+        self._task = task
+        self._cancelling = task.cancelling()
+        self.fired = False
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._fire)
+
+    def _fire(self) -> None:
+        self.fired = True
+        self._task.cancel()
+
+    def expired(self) -> bool:
+        """After a ``CancelledError`` in the leg: True when this deadline caused it (its
+        cancel is then undone, so the task is not left cancelling)."""
+        return self.fired and self._task.uncancel() <= self._cancelling
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
 @dataclass(slots=True)
 class ConsumerOpened:
     """A consumer leg whose headers (and first chunk, for streams) have arrived."""
@@ -91,15 +124,19 @@ class Upstream:
         self, backend: LegTarget, path: str, body: bytes, headers: dict[str, str]
     ) -> bytes:
         """POST the producer leg and return its whole 2xx answer."""
+        deadline = LegDeadline(self._timeouts.producer_total_s)
         try:
-            async with asyncio.timeout(self._timeouts.producer_total_s):
-                pool, prefix = self._base(backend.url)
-                resp = await pool.request("POST", prefix + path, headers, body)
-                answer = await resp.read()
-        except TimeoutError as exc:
-            raise LegFailed(backend.name, "producer leg timed out", timed_out=True) from exc
+            pool, prefix = self._base(backend.url)
+            resp = await pool.request("POST", prefix + path, headers, body)
+            answer = await resp.read()
+        except asyncio.CancelledError:
+            if deadline.expired():
+                raise LegFailed(backend.name, "producer leg timed out", timed_out=True) from None
+            raise
         except HttpClientError as exc:
             raise LegFailed(backend.name, f"producer leg failed: {exc}") from exc
+        finally:
+            deadline.cancel()
         classify_status(backend.name, resp.status, answer, resp.headers.get("content-type", ""))
         return answer
 
@@ -111,32 +148,34 @@ class Upstream:
         Bounded by the first-byte timeout. Non-2xx answers raise (LegFailed/LegRefused).
         """
         resp: Response | None = None
+        deadline = LegDeadline(self._timeouts.consumer_first_byte_s)
         try:
-            async with asyncio.timeout(self._timeouts.consumer_first_byte_s):
-                pool, prefix = self._base(backend.url)
-                resp = await pool.request("POST", prefix + path, headers, body)
-                if resp.status >= 400 or not stream:
-                    data = await resp.read()
-                    classify_status(
-                        backend.name, resp.status, data, resp.headers.get("content-type", "")
-                    )
-                    return ConsumerOpened(resp, data, complete=True)
-                first = await resp.read_chunk()
-                return ConsumerOpened(resp, first, complete=False)
-        except TimeoutError as exc:
-            if resp is not None:
-                resp.close()
-            raise LegFailed(backend.name, "consumer first byte timed out", timed_out=True) from exc
+            pool, prefix = self._base(backend.url)
+            resp = await pool.request("POST", prefix + path, headers, body)
+            if resp.status >= 400 or not stream:
+                data = await resp.read()
+                classify_status(
+                    backend.name, resp.status, data, resp.headers.get("content-type", "")
+                )
+                return ConsumerOpened(resp, data, complete=True)
+            first = await resp.read_chunk()
+            return ConsumerOpened(resp, first, complete=False)
         except HttpClientError as exc:
             if resp is not None:
                 resp.close()
             raise LegFailed(backend.name, f"consumer leg failed: {exc}") from exc
         except (LegFailed, LegRefused):
             raise
-        except BaseException:
+        except BaseException as exc:
             if resp is not None:
                 resp.close()
+            if isinstance(exc, asyncio.CancelledError) and deadline.expired():
+                raise LegFailed(
+                    backend.name, "consumer first byte timed out", timed_out=True
+                ) from None
             raise
+        finally:
+            deadline.cancel()
 
     async def post_json(self, url: str, body: bytes, headers: dict[str, str]) -> int:
         """A short control call (P2P release) to ``url``; returns the status."""

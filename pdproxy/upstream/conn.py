@@ -67,11 +67,14 @@ class Conn(asyncio.Protocol):
         self._max_answer_bytes = limits.max_answer_bytes
         self._max_fields = limits.max_header_fields
         self.transport: asyncio.Transport | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        # httptools' body callback is the deque's own append (no Python frame per chunk of a
+        # stream); the parser looks its callbacks up once, so this comes before it.
+        self.on_body = self._chunks.append
         self._parser = httptools.HttpResponseParser(self)
         self.state = IDLE
         self._head: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._paused = False
         self._error: HttpClientError | None = None
@@ -105,7 +108,11 @@ class Conn(asyncio.Protocol):
             self._unsolicited(len(data))
             return
         self.nothing_received = False
-        self._framing_bytes += len(data)  # on_body resets it
+        size = len(data)
+        self._framing_bytes += size  # reset below when the read held body data
+        self._buffered += size  # framing included: counted once per read, not per body chunk
+        chunks = self._chunks
+        held = len(chunks)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -127,17 +134,21 @@ class Conn(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(HttpClientError("unexpected protocol upgrade"))
             return
+        if len(chunks) != held:
+            self._framing_bytes = 0  # body data came: what is counted is no head or trailer
         if self._framing_bytes > self._max_head_bytes and self.state != DONE:
             # Bytes that are no body data, past the cap: a head or trailer line that never
             # ends, too many fields, endless 1xx. httptools would buffer a partial field.
             self._fail(ResponseHeadTooLarge(self._over_cap()))
             return
         # Once per read, not per body chunk: wake the reader, apply flow control.
-        if self._chunks or self.state == DONE:
+        if chunks or self.state == DONE:
             if self._buffered > MAX_BUFFERED and not self._paused and self.transport is not None:
                 self._paused = True
                 self.transport.pause_reading()
-            self._wake()
+            waiter = self._waiter  # _wake(), inline: this runs for every read of a stream
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -193,11 +204,6 @@ class Conn(asyncio.Protocol):
         self.state = BODY
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        self._framing_bytes = 0
-        self._chunks.append(body)
-        self._buffered += len(body)
 
     def on_message_complete(self) -> None:
         if self.state == BODY:  # an interim response's end changes nothing
@@ -261,6 +267,7 @@ class Conn(asyncio.Protocol):
         self._repeats = 0
         self._field_bytes = 0
         self._framing_bytes = 0
+        self._buffered = 0
         self.state = HEAD
         self._head = self._loop.create_future()
         self.transport.write(data)
@@ -301,7 +308,11 @@ class Conn(asyncio.Protocol):
     async def read_chunk(self) -> bytes:
         """All body bytes received so far (waiting for some); b"" at the end of the body."""
         while True:
-            if self._chunks:
+            chunks = self._chunks
+            if chunks:
+                if len(chunks) == 1 and not self._paused:  # a stream's usual read, inline
+                    self._buffered = 0
+                    return chunks.popleft()
                 return self._take_buffered()
             if self._error is not None:
                 raise self._error

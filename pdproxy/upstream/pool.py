@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl as ssl_module
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Final
 
@@ -64,6 +65,15 @@ class Response:
         if conn is None:
             raise HttpClientError("response already released or closed")
         return await conn.read_chunk()
+
+    def chunk_reader(self) -> Callable[[], Awaitable[bytes]]:
+        """:meth:`read_chunk` without this object's check on every call, for a relay reading
+        the body to its end (one call fewer per chunk); valid until :meth:`release` or
+        :meth:`close` (after which it fails: the connection is closed or no longer read)."""
+        conn = self._conn
+        if conn is None:
+            raise HttpClientError("response already released or closed")
+        return conn.read_chunk
 
     async def read(self, max_bytes: int | None = None) -> bytes:
         """The whole body; the connection goes back to the pool. Past ``max_bytes`` (or

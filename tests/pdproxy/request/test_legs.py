@@ -311,3 +311,34 @@ def test_lone_surrogates_are_refused_whichever_codec_decodes(raw: bytes) -> None
 def test_long_digit_runs_are_found_like_the_regex(raw: bytes) -> None:
     for probe in (raw, raw + b"1" * 19, b"9" * 18 + raw):
         assert has_long_digit_run(probe) == (re.search(rb"\d{19,}", probe) is not None)
+
+
+# ---------------------------------------------------------------- the consumer leg's bytes
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"m","prompt":"p"}',
+        b'{ "model" : "m", "prompt" : "p" }\n\t ',
+        b"{}",
+        b' {"a":{"b":[1,2,{"c":"}"}]}} ',
+        b'{"prompt":"\\u00e9 \\" }","seed":123456789012345678901234567890}',
+    ],
+)
+def test_consumer_leg_is_the_clients_bytes_with_the_params_spliced_in(raw: bytes) -> None:
+    kvp = {"remote_prefiller": {"kv_request_id": "k", "remote_host": "h", "remote_port": 1}}
+    leg = consumer_body(decode_body(raw), kvp)
+    assert leg.startswith(raw.rstrip()[:-1])  # every byte the client sent, untouched
+    assert json.loads(leg) == {**json.loads(raw), "kv_transfer_params": kvp}
+
+
+def test_a_body_with_a_bom_is_re_encoded_not_spliced() -> None:
+    raw = b'\xef\xbb\xbf{"model":"m","seed":123456789012345678901234567890}'
+    leg = consumer_body(decode_body(raw), {"k": 1})
+    assert not leg.startswith(b"\xef")
+    assert json.loads(leg) == {
+        "model": "m",
+        "seed": 123456789012345678901234567890,
+        "kv_transfer_params": {"k": 1},
+    }
