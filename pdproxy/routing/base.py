@@ -78,6 +78,11 @@ class RouteRequest:
     model: str | None = None
     """The model the proxy's catalog resolved ``body["model"]`` to (None: not resolved, e.g. a
     router called directly; a per-model router then reads the body)."""
+    ttft_class: str | None = None
+    """The TTFT class the caller's key names (``interactive``, ``batch``...; None: the
+    router's default class)."""
+    ttft_target_ms: float | None = None
+    """A target a trusted caller set on this request (over its class's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,11 @@ class RequestOutcome:
     ok: bool
     cached_tokens: int | None = None
     """``usage.prompt_tokens_details.cached_tokens`` from the consumer, when it reported one."""
+    producer_s: float = 0.0
+    """The producer phase's time (0: none ran); the TTFT model learns producer rates from it."""
+    consumer_first_byte_s: float = 0.0
+    """From the consumer phase's start to its first byte (0: no answer): a stream's first
+    token, a whole answer's end."""
 
 
 class Router(Protocol):

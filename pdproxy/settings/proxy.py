@@ -58,6 +58,9 @@ class ApiKey(BaseModel):
     see_cached_tokens: bool = False
     """Answers to this key show the engine's ``cached_tokens``; to any other key they show 0,
     so that a key cannot learn which prompts its own tenant's other keys sent."""
+    ttft_class: str | None = Field(default=None, min_length=1, max_length=64)
+    """The TTFT class of this key's requests (``router_options.ttft.classes``: ``interactive``,
+    ``batch``...); unset, or a name the model's router does not know: its ``default_class``."""
 
 
 class TenantSettings(BaseModel):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvtier.residency.types import Match
 from pdproxy.routing.base import PullSource
+from pdproxy.routing.kv.latency.predict import Choice
 
 NO_MATCH = Match()
 
@@ -149,3 +150,6 @@ class Plan:
     producer_scores: tuple[Score, ...]
     pull: PullChoice | None = None
     """The node that prefills pulls the prefix from a holder (:mod:`~.scorers.pull`)."""
+    ttft: Choice | None = None
+    """The predicted-TTFT choice that ranked this plan, or shed its request
+    (:mod:`~.scorers.ttft`); None: predictions were cold or off, the cost model decided."""
