@@ -37,6 +37,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -253,7 +254,7 @@ def _router_argv(binary: Path, port: int, workers: list[Worker], policy: str) ->
     argv = [str(binary), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
             "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "warning", "--max-concurrent-requests", "1024",
-            "--queue-size", "1024"]  # fmt: skip
+            "--queue-size", "1024", "--prometheus-port", str(free_port())]  # fmt: skip
     for w in workers:
         if w.spec.role == "producer":
             argv += ["--prefill", w.url]
@@ -288,12 +289,12 @@ def cluster(args: argparse.Namespace, tmp: Path) -> Iterator[list[Worker]]:
 
 
 @contextlib.contextmanager
-def proxy(name: str, argv: list[str], tmp: Path) -> Iterator[str]:
+def proxy(name: str, argv: list[str], tmp: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = int(argv[argv.index("--port") + 1])
     env = {**os.environ}
     env.pop("PDPROXY_WORKERS", None)
-    with child_process(argv, env=env, log=tmp / f"{name}.log"):
-        yield f"http://127.0.0.1:{port}"
+    with child_process(argv, env=env, log=tmp / f"{name}.log") as proc:
+        yield f"http://127.0.0.1:{port}", proc
 
 
 def _pdproxy_argv(config: dict[str, Any], tmp: Path, name: str) -> list[str]:
@@ -303,11 +304,15 @@ def _pdproxy_argv(config: dict[str, Any], tmp: Path, name: str) -> list[str]:
             "--port", str(config["port"]), "--log-level", "warning"]  # fmt: skip
 
 
-async def _ready(url: str, timeout_s: float = 180.0) -> None:
+async def _ready(
+    url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 180.0
+) -> None:
     """Workers import torch: on a loaded machine that takes a while."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{url}: the process exited ({proc.returncode})")
             with contextlib.suppress(aiohttp.ClientError):
                 async with session.get(url) as resp:
                     if resp.status == 200:
@@ -328,8 +333,10 @@ async def bench(args: argparse.Namespace) -> None:
             ) else None  # fmt: skip
             # The quiet median first, on the cost model at a trickle: it sets the targets.
             cost_cfg = _proxy_config(workers, free_port(), _ttft_options(False, 1e6, 1e6))
-            cost = stack.enter_context(proxy("quiet", _pdproxy_argv(cost_cfg, tmp, "quiet"), tmp))
-            await _ready(cost + "/ready")
+            cost, proc = stack.enter_context(
+                proxy("quiet", _pdproxy_argv(cost_cfg, tmp, "quiet"), tmp)
+            )
+            await _ready(cost + "/ready", proc)
             await asyncio.sleep(2.0)  # health checks admit every backend
             quiet = await run_cell(cost, schedule(args.quiet_rate, args.quiet_seconds, 999,
                                                   args), args.quiet_seconds, False)  # fmt: skip
@@ -354,8 +361,8 @@ async def bench(args: argparse.Namespace) -> None:
                     policy = {"vr-cache": "cache_aware", "vr-p2": "power_of_two"}[name]
                     argv = _router_argv(binary, port, workers, policy)
                     health = "/health"
-                urls[name] = stack.enter_context(proxy(name, argv, tmp))
-                await _ready(urls[name] + health)
+                urls[name], proc = stack.enter_context(proxy(name, argv, tmp))
+                await _ready(urls[name] + health, proc)
             await asyncio.sleep(2.0)
             targets = {"interactive": target_ms / 1e3, "batch": batch_ms / 1e3}
             results: dict[tuple[float, str], Cell] = {}
