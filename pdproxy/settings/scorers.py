@@ -293,6 +293,13 @@ class TtftSettings(BaseModel):
         description="ways predicted within this share of the fastest are ties, won by the node "
         "observed longest ago: how a node believed slow gets the work that shows it is not",
     )
+    relearn_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="a node's learned rate drifts toward the pool's fastest while the node "
+        "goes unobserved, 1/e of the way after this long: a slow node is tried again now and "
+        "then, so one that got faster is found",
+    )
     yield_share: float = Field(
         default=0.5,
         gt=0.0,

@@ -18,6 +18,8 @@ SLOPE_FLOOR = 1e-6
 SLOPE_CEILING = 1e4
 _SPREAD = 1e-3
 """Least relative spread of the work below which the slope is fitted through the intercept."""
+_Y_FLOOR = 5.0
+"""Milliseconds: shorter legs weigh as much as this one (timer noise dominates them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +38,7 @@ class Line:
 class DecayedFit:
     """Weighted least squares over decayed sums; :attr:`line` is recomputed on each change."""
 
-    __slots__ = ("_anchor", "_decay", "_max_intercept", "_max_y", "_sums", "line")
+    __slots__ = ("_anchor", "_decay", "_max_intercept", "_max_y", "_scale", "_sums", "line")
 
     def __init__(
         self,
@@ -57,6 +59,7 @@ class DecayedFit:
         # outweighs it at once.
         self._anchor = [0.0, 0.0, 0.0, 0.0, 0.0]
         _add(self._anchor, 0.0, seed.intercept, anchor)
+        self._scale = 0.0
         self.line = Line(seed.intercept, seed.slope, 0)
 
     def observe(self, x: float, y: float) -> bool:
@@ -67,7 +70,12 @@ class DecayedFit:
         y = min(max(y, 0.0), self._max_y)
         d = self._decay
         self._sums = [v * d for v in self._sums]
-        _add(self._sums, x, y, 1.0)
+        # Relative errors are what a prediction is judged by (a 30 ms leg predicted 110 ms is
+        # worse than a 1 s leg predicted 1.08 s), so each observation weighs 1/y^2, scaled so
+        # that an average one weighs 1 (what the anchor's weight is measured against).
+        raw = 1.0 / max(y, _Y_FLOOR) ** 2
+        self._scale = raw if self._scale == 0.0 else d * self._scale + (1.0 - d) * raw
+        _add(self._sums, x, y, raw / self._scale)
         sums = [a + b for a, b in zip(self._sums, self._anchor, strict=True)]
         self.line = self._solve(sums, self.line.samples + 1)
         return True

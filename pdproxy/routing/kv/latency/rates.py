@@ -16,12 +16,15 @@ A node seen for the first time, or one with fewer than ``warm_samples`` observat
 is read with the fastest line of the nodes that have them; with none, the configured seed. The
 optimism is on purpose: a node is only learned by being sent work, and an unknown node read as
 slow would never be (its first few legs pay for the lesson; a mediocre guess would cost every
-request it could have served faster). Nodes are bounded by ``max_nodes`` (the least recently
-used is forgotten).
+request it could have served faster). For the same reason a learned line drifts toward the pool's
+fastest while its node goes unobserved (weight ``1 - exp(-age / relearn_s)``): a node that was
+slow is tried again now and then, and one that got faster is found. Nodes are bounded by
+``max_nodes`` (the least recently used is forgotten).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -132,12 +135,29 @@ class PoolRates:
             return fit.line
         return pool
 
+    def _compute(self, rates: NodeRates, now: float) -> Line:
+        """A node's compute line as decisions read it: its own, drifting toward the pool's
+        fastest while the node goes unobserved (``relearn_s``)."""
+        line = self._read(rates.compute, self._pool_compute)
+        pool = self._pool_compute
+        if pool is None or line is pool or rates.observed_at <= 0.0:
+            return line
+        age = now - rates.observed_at
+        if age <= 0.0:
+            return line
+        a = 1.0 - math.exp(-age / self.settings.relearn_s)
+        return Line(
+            line.intercept + a * (pool.intercept - line.intercept),
+            line.slope + a * (pool.slope - line.slope),
+            line.samples,
+        )
+
     def snapshot(self, names: Iterable[str], now: float) -> dict[str, NodeRate]:
         """Each named node as a decision reads it (a node not seen yet is created)."""
         out = {}
         for name in names:
             rates = self.node(name)
-            compute = self._read(rates.compute, self._pool_compute)
+            compute = self._compute(rates, now)
             out[name] = NodeRate(
                 compute,
                 self._read(rates.fetch, self._pool_fetch),
@@ -150,7 +170,7 @@ class PoolRates:
     def queue(self, name: str, tokens: float, now: float) -> None:
         """``tokens`` of prefill sent to ``name`` now."""
         rates = self.node(name)
-        rates.queue(tokens, now, self._read(rates.compute, self._pool_compute).slope)
+        rates.queue(tokens, now, self._compute(rates, now).slope)
 
     def items(self) -> Iterator[tuple[str, NodeRates]]:
         return iter(list(self._nodes.items()))

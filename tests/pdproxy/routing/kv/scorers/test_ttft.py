@@ -108,7 +108,9 @@ def test_bypass_when_the_consumer_holds_the_prefix_and_two_legs_when_the_transfe
     assert warm.plan.reason == "ttft-alone" and warm.plan.consumers[0] == "c0"
     assert not warm.plan.producers
     # A cold long prompt, an idle fast producer, consumers slow to prefill: two legs.
-    pool.advance(30.0)
+    pool = mixed_pool()
+    warm_up(pool)
+    pool.advance(2.0)
     cold = pool.serve(2048)
     assert cold.plan.reason == "ttft" and cold.plan.producers[0] == "p-fast"
 
