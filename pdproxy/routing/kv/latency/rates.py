@@ -17,7 +17,8 @@ is read with the fastest line of the nodes that have them; with none, the config
 optimism is on purpose: a node is only learned by being sent work, and an unknown node read as
 slow would never be (its first few legs pay for the lesson; a mediocre guess would cost every
 request it could have served faster). For the same reason a learned line drifts toward the pool's
-fastest while its node goes unobserved (weight ``1 - exp(-age / relearn_s)``): a node that was
+fastest while its node goes unobserved and others do not (weight ``1 - exp(-age / relearn_s)``,
+``age`` since its last observation up to the pool's last): a node that was
 slow is tried again now and then, and one that got faster is found. Nodes are bounded by
 ``max_nodes`` (the least recently used is forgotten).
 """
@@ -96,6 +97,8 @@ class PoolRates:
         self._nodes: OrderedDict[str, NodeRates] = OrderedDict()
         self._pool_compute: Line | None = None
         self._pool_fetch: Line | None = None
+        self._last_observed = 0.0
+        """When any node's compute leg was last observed."""
 
     def node(self, name: str) -> NodeRates:
         rates = self._nodes.get(name)
@@ -115,6 +118,7 @@ class PoolRates:
     def observe_compute(self, name: str, work_tokens: float, ms: float, now: float) -> None:
         rates = self.node(name)
         rates.observed_at = now
+        self._last_observed = max(self._last_observed, now)
         if rates.compute.observe(work_tokens, ms):
             self._pool_compute = self._fastest(r.compute for r in self._nodes.values())
 
@@ -135,14 +139,15 @@ class PoolRates:
             return fit.line
         return pool
 
-    def _compute(self, rates: NodeRates, now: float) -> Line:
+    def _compute(self, rates: NodeRates) -> Line:
         """A node's compute line as decisions read it: its own, drifting toward the pool's
         fastest while the node goes unobserved (``relearn_s``)."""
         line = self._read(rates.compute, self._pool_compute)
         pool = self._pool_compute
         if pool is None or line is pool or rates.observed_at <= 0.0:
             return line
-        age = now - rates.observed_at
+        # Unobserved while others were: an idle pool drifts nowhere (a lull is not news).
+        age = self._last_observed - rates.observed_at
         if age <= 0.0:
             return line
         a = 1.0 - math.exp(-age / self.settings.relearn_s)
@@ -157,7 +162,7 @@ class PoolRates:
         out = {}
         for name in names:
             rates = self.node(name)
-            compute = self._compute(rates, now)
+            compute = self._compute(rates)
             out[name] = NodeRate(
                 compute,
                 self._read(rates.fetch, self._pool_fetch),
@@ -170,7 +175,7 @@ class PoolRates:
     def queue(self, name: str, tokens: float, now: float) -> None:
         """``tokens`` of prefill sent to ``name`` now."""
         rates = self.node(name)
-        rates.queue(tokens, now, self._compute(rates, now).slope)
+        rates.queue(tokens, now, self._compute(rates).slope)
 
     def items(self) -> Iterator[tuple[str, NodeRates]]:
         return iter(list(self._nodes.items()))

@@ -156,3 +156,17 @@ def test_exports_rates_per_node_and_the_prediction_error() -> None:
         "pdproxy_kv_router_ttft_prediction_error_count", {"mode": "pd", "warm": "true"}
     )
     assert count is not None and count > 0
+
+
+def test_an_unobserved_node_drifts_toward_the_fastest_but_an_idle_pool_does_not() -> None:
+    s = TtftSettings(warm_samples=2, relearn_s=10.0)
+    rates = PoolRates(s)
+    for i, x in enumerate((500.0, 900.0, 1300.0)):
+        rates.observe_compute("fast", x, 5.0 + 0.1 * x, float(i))
+        rates.observe_compute("slow", x, 5.0 + 0.3 * x, float(i))
+    idle = rates.snapshot(["slow"], 1000.0)["slow"]  # nobody observed since: no news
+    assert idle.compute.slope > 0.29
+    for t in range(10, 40):  # traffic goes on, to "fast" only
+        rates.observe_compute("fast", 700.0, 75.0, float(t))
+    stale = rates.snapshot(["slow"], 40.0)["slow"]
+    assert stale.compute.slope < 0.2  # tried again soon: it may have got faster
