@@ -212,7 +212,7 @@ class TtftClass(BaseModel):
     )
     yields: bool = Field(
         default=False,
-        description="placed only where the prefill queue it leaves stays within yield_share of "
+        description="placed only where the prefill queue ahead of it is within yield_share of "
         "the tightest target of the classes that do not yield (batch yields to interactive)",
     )
     placement: Literal["fastest", "headroom"] = Field(
@@ -304,8 +304,8 @@ class TtftSettings(BaseModel):
         default=0.5,
         gt=0.0,
         le=1.0,
-        description="a yielding request leaves at most this share of the tightest non-yielding "
-        "target queued on the node it is placed on",
+        description="a yielding request starts only on a node whose prefill queue ahead of it "
+        "is within this share of the tightest non-yielding target",
     )
     max_nodes: int = Field(default=4096, ge=1, description="nodes whose rates are kept")
 

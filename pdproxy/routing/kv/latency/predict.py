@@ -12,12 +12,13 @@ ms_per_token x x``, ``fetch(k) = first_step + ms_per_block x k``). ``uncached`` 
 tokens past the node's cached prefix (engines compute at least the last token).
 
 :func:`choose`: with no target, the lowest prediction. With a target, among the ways that
-meet it (and, for a class that yields, leave at most ``yield_cap_ms`` queued on the node that
-prefills), the fastest (ways within ``explore_share`` of it are ties, won by the prefill node
-observed longest ago, so a node whose speed changed is relearned), or for
-``placement="headroom"`` the slowest within ``headroom_share`` of the target (the fast nodes
-stay free for others). None meets it: a sheddable request is shed (its ``Retry-After`` is how
-far over the best way is), any other gets the lowest prediction.
+meet it (and, for a class that yields, find at most ``yield_cap_ms`` queued ahead on the node
+that prefills: batch work starts only where interactive work is not queueing), the fastest
+(ways within ``explore_share`` of it are ties, won by the prefill node observed longest ago, so
+a node whose speed changed is relearned), or for ``placement="headroom"`` the slowest within
+``headroom_share`` of the target (the fast nodes stay free for others). None meets it: a
+sheddable request is shed (its ``Retry-After`` is how far over the best way is), any other
+gets the lowest prediction.
 Ties break by name, so replicas given the same state agree.
 """
 
@@ -60,8 +61,8 @@ class Way:
     """Tokens ahead on the node that prefills plus the request's own uncached ones."""
     prefill_tokens: int
     """The request's own uncached tokens there (what it adds to that node's backlog)."""
-    leaves_ms: float
-    """What the prefill node has queued once this request is on it."""
+    ahead_ms: float
+    """What the prefill node has queued ahead of this request."""
     observed_at: float
     """When a leg the prefill node served was last observed (what exploring prefers)."""
     fetch_blocks: int = 0
@@ -89,7 +90,7 @@ def alone_way(prompt: Prompt, name: str, held: int, rate: NodeRate) -> Way:
         prefill_node=name,
         prefill_work=work,
         prefill_tokens=own,
-        leaves_ms=rate.drain_ms(work),
+        ahead_ms=rate.drain_ms(rate.backlog_tokens),
         observed_at=rate.observed_at,
     )
 
@@ -110,7 +111,7 @@ def pair_way(
         prefill_node=producer_name,
         prefill_work=work,
         prefill_tokens=own,
-        leaves_ms=p.drain_ms(work),
+        ahead_ms=p.drain_ms(p.backlog_tokens),
         observed_at=p.observed_at,
         fetch_blocks=fetch,
         consumer_queue_ms=queue,
@@ -143,7 +144,7 @@ class Target:
     yields: bool = False
     placement: str = "fastest"
     yield_cap_ms: float | None = None
-    """For a class that yields: the most it may leave queued on a node (None: no cap)."""
+    """For a class that yields: the most it may find queued ahead on a node (None: no cap)."""
     headroom_share: float = 0.8
     explore_share: float = 0.0
     """Ways within this share of the fastest count as ties (the least recently observed
@@ -206,7 +207,7 @@ def choose(options: Sequence[Way], target: Target) -> Choice:
     if limit is None:
         return Choice(fastest(options, target.explore_share), best, target, True)
     cap = target.yield_cap_ms if target.yields else None
-    fits = [w for w in options if w.ttft_ms <= limit and (cap is None or w.leaves_ms <= cap)]
+    fits = [w for w in options if w.ttft_ms <= limit and (cap is None or w.ahead_ms <= cap)]
     if fits:
         if target.placement == "headroom":
             roomy = [w for w in fits if w.ttft_ms <= limit * target.headroom_share]
@@ -216,6 +217,6 @@ def choose(options: Sequence[Way], target: Target) -> Choice:
     if target.sheddable:
         over_ms = best.ttft_ms - limit
         if cap is not None:
-            over_ms = max(over_ms, min(w.leaves_ms for w in options) - cap)
+            over_ms = max(over_ms, min(w.ahead_ms for w in options) - cap)
         return Choice(None, best, target, False, max(1, math.ceil(over_ms / 1e3)))
     return Choice(best, best, target, False)

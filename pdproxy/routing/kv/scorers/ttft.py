@@ -216,7 +216,8 @@ class TtftScorer(Scorer[TtftView]):
             return
         plan = made.plan
         way = plan.ttft.way if plan.ttft is not None else None
-        if way is None:
+        chosen = (plan.consumers[0], plan.producers[0] if plan.producers else None)
+        if way is None or (way.consumer, way.producer) != chosen:  # cold, or a later revise
             way = self._way_of(made, view)
         if way is None:
             return

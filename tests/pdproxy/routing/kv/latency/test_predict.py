@@ -74,17 +74,20 @@ def test_a_sheddable_request_no_way_can_serve_in_time_is_shed_with_retry_after()
     assert interactive.way is not None and not interactive.met  # never shed: the best way
 
 
-def test_a_yielding_request_leaves_room_for_the_protected_class() -> None:
+def test_a_yielding_request_starts_only_where_nothing_queues() -> None:
     prompt = Prompt(2048, BS)
-    rates = {**RATES, "p-fast": rate(0.1, backlog=3000), "p-slow": rate(0.3, backlog=0)}
-    options = ways(prompt, [("p-fast", 0), ("p-slow", 0)], [("c0", 0)], rates)
-    # p-fast would be the fastest but leave 500 ms queued; the cap is 400 ms.
+    busy = {**RATES, "p-fast": rate(0.1, backlog=5000), "p-slow": rate(0.3, backlog=2000)}
+    # 500 ms and 600 ms queued ahead; the cap is 400 ms: both would well meet batch's 5 s.
     batch = Target("batch", 5000.0, sheddable=True, yields=True, yield_cap_ms=400.0)
-    choice = choose([w for w in options if not w.alone], batch)
-    assert choice.shed
-    roomy = {**rates, "p-slow": rate(0.15)}
-    options = ways(prompt, [("p-fast", 0), ("p-slow", 0)], [("c0", 0)], roomy)
-    choice = choose([w for w in options if not w.alone], batch)
+    pairs = [w for w in ways(prompt, [("p-fast", 0), ("p-slow", 0)], [("c0", 0)], busy)
+             if not w.alone]  # fmt: skip
+    choice = choose(pairs, batch)
+    assert choice.shed and choice.retry_after_s == 1
+    assert choose(pairs, Target("interactive", 5000.0)).way is not None  # never shed
+    roomy = {**busy, "p-slow": rate(0.3)}
+    pairs = [w for w in ways(prompt, [("p-fast", 0), ("p-slow", 0)], [("c0", 0)], roomy)
+             if not w.alone]  # fmt: skip
+    choice = choose(pairs, batch)
     assert choice.way is not None and choice.way.producer == "p-slow"
 
 
