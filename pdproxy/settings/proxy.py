@@ -273,6 +273,13 @@ class ProxySettings(BaseSettings):
                     f"models: limits of {model!r} (max_concurrent + queue_size) must stay below "
                     f"admission.max_concurrent ({cap}), or one model can starve the others"
                 )
+        classes = set(self.router_options.ttft.classes)
+        for served in self.models.served.values():
+            if "ttft" in served.router_options.model_fields_set:
+                classes |= set(served.router_options.ttft.classes)
+        unknown = sorted({k.ttft_class for k in self.api_keys if k.ttft_class} - classes)
+        if unknown:
+            raise ValueError(f"api_keys name TTFT classes no router_options.ttft has: {unknown}")
         return self
 
     @classmethod

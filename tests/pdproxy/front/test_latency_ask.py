@@ -120,3 +120,13 @@ async def test_keys_carry_their_class_and_shed_requests_get_429_at_once(
     assert shed.json()["error"]["code"] == "overloaded"
     # The untrusted keys' headers changed nothing; the trusted key's target counted.
     assert router.asked == [("interactive", None), ("batch", None), (None, 300.0)]
+
+
+def test_a_key_naming_an_unknown_class_is_refused_at_load() -> None:
+    from pydantic import ValidationError
+
+    from pdproxy.settings import ProxySettings
+
+    with pytest.raises(ValidationError, match="TTFT classes"):
+        ProxySettings(api_keys=[{"key": "k" * 20, "ttft_class": "interactiv"}])  # type: ignore[list-item]
+    ProxySettings(api_keys=[{"key": "k" * 20, "ttft_class": "batch"}])  # type: ignore[list-item]
