@@ -412,6 +412,21 @@ def _summary(
         ratio = ours / theirs if theirs else float("inf")
         print(f"  {rate:4.1f} req/s: ttft {ours * 100:5.1f}% vs {best} {theirs * 100:5.1f}% "
               f"-> x{ratio:.2f}")  # fmt: skip
+    print("ttft vs each peer at the first load where that peer falls below 80%:")
+    for peer in peers:
+        below = [
+            r for r in args.rates if results[(r, peer)].attainment(targets["interactive"]) < 0.8
+        ]
+        if not below:
+            print(f"  {peer}: never below 80%")
+            continue
+        r = below[0]
+        ours = results[(r, "ttft")].attainment(targets["interactive"])
+        theirs = results[(r, peer)].attainment(targets["interactive"])
+        ratio = ours / theirs if theirs else float("inf")
+        print(
+            f"  {peer} at {r:.1f} req/s: {theirs * 100:.1f}% -> ttft {ours * 100:.1f}% x{ratio:.2f}"
+        )
     warm = [e for (rate, name), c in results.items() if name == "ttft" and rate != args.rates[0]
             for e in c.errors]  # fmt: skip
     if warm:
