@@ -120,9 +120,10 @@ class RequestOutcome:
     ok: bool
     cached_tokens: int | None = None
     """``usage.prompt_tokens_details.cached_tokens`` from the consumer, when it reported one."""
-    producer_s: float = 0.0
+    # Timings are measurements, not what the request did: outcomes compare without them.
+    producer_s: float = field(default=0.0, compare=False)
     """The producer phase's time (0: none ran); the TTFT model learns producer rates from it."""
-    consumer_first_byte_s: float = 0.0
+    consumer_first_byte_s: float = field(default=0.0, compare=False)
     """From the consumer phase's start to its first byte (0: no answer): a stream's first
     token, a whole answer's end."""
 
