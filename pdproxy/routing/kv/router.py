@@ -134,6 +134,11 @@ class KvRouter:
         engine, pull = self.find(EngineLoadScorer), self.find(PullScorer)
         if engine is not None and pull is not None:
             engine.readings.on_pull = lambda node, m: pull.measured(m.nbytes, m.seconds)
+        ttft = self._ttft
+        if engine is not None and ttft is not None:  # the engines' queues floor the backlog
+            engine.readings.on_reading = lambda node, r: ttft.rates.engine_waiting(
+                node, r.sample.waiting, r.at
+            )
         self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = False

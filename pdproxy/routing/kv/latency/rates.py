@@ -8,7 +8,9 @@
   ms_per_block x blocks fetched``, its own prefill backlog aside. Learned from streamed PD
   consumer legs.
 - the backlog: prefill tokens the router sent the node and believes not yet computed. Each
-  decision adds its uncached tokens; it drains at the node's learned rate. No completion
+  decision adds its uncached tokens; it drains at the node's learned rate. With engine-load
+  scraping on, the requests the engine reports waiting (at this router's mean prefill) floor
+  it: work other proxies or processes sent. No completion
   callback is needed, and a wrong rate corrects itself: a node slower than believed drains
   slower in truth, its legs take longer than predicted, and its learned rate follows.
 
@@ -35,6 +37,7 @@ from pdproxy.settings.scorers import TtftSettings
 
 _TYPICAL_WORK = 1024.0
 """Tokens (or blocks) at which two lines are compared to pick the fastest."""
+_MEAN_ALPHA = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +59,7 @@ class NodeRate:
 class NodeRates:
     """One node's lines and backlog (live state)."""
 
-    __slots__ = ("_at", "_backlog", "compute", "fetch", "observed_at")
+    __slots__ = ("_at", "_backlog", "_waiting", "compute", "fetch", "observed_at")
 
     def __init__(self, settings: TtftSettings) -> None:
         window, max_y = settings.window_samples, settings.max_leg_ms
@@ -74,19 +77,29 @@ class NodeRates:
         )
         self._backlog = 0.0
         self._at = 0.0
+        self._waiting = (0.0, 0.0)
+        """The engine's last reported queue, in tokens, and when."""
         self.observed_at = 0.0
 
     def backlog(self, now: float, ms_per_token: float) -> float:
         """Prefill tokens still ahead at ``now`` (monotonic seconds), drained at the rate the
-        decisions read the node with."""
-        if self._backlog <= 0.0:
-            return 0.0
-        drained = max(now - self._at, 0.0) * 1e3 / ms_per_token
-        return max(self._backlog - drained, 0.0)
+        decisions read the node with: this router's own, or what the engine last reported
+        waiting when that is more (other proxies' or processes' work)."""
+        own = _drained(self._backlog, self._at, now, ms_per_token)
+        return max(own, _drained(*self._waiting, now, ms_per_token))
+
+    def engine_waiting(self, tokens: float, at: float) -> None:
+        self._waiting = (max(tokens, 0.0), at)
 
     def queue(self, tokens: float, now: float, ms_per_token: float) -> None:
-        self._backlog = self.backlog(now, ms_per_token) + max(tokens, 0.0)
+        self._backlog = _drained(self._backlog, self._at, now, ms_per_token) + max(tokens, 0.0)
         self._at = now
+
+
+def _drained(tokens: float, at: float, now: float, ms_per_token: float) -> float:
+    if tokens <= 0.0:
+        return 0.0
+    return max(tokens - max(now - at, 0.0) * 1e3 / ms_per_token, 0.0)
 
 
 class PoolRates:
@@ -99,6 +112,9 @@ class PoolRates:
         self._pool_fetch: Line | None = None
         self._last_observed = 0.0
         """When any node's compute leg was last observed."""
+        self._mean_tokens = _TYPICAL_WORK / 2
+        """Mean uncached prefill tokens of this router's requests (an engine's waiting request
+        is counted at this)."""
 
     def node(self, name: str) -> NodeRates:
         rates = self._nodes.get(name)
@@ -172,8 +188,14 @@ class PoolRates:
             )
         return out
 
+    def engine_waiting(self, name: str, requests: int, at: float) -> None:
+        """``name``'s engine reported ``requests`` waiting at ``at`` (the engine-load scrape):
+        counted at the mean prefill of this router's requests, it floors the node's backlog."""
+        self.node(name).engine_waiting(requests * self._mean_tokens, at)
+
     def queue(self, name: str, tokens: float, now: float) -> None:
         """``tokens`` of prefill sent to ``name`` now."""
+        self._mean_tokens += _MEAN_ALPHA * (max(tokens, 0.0) - self._mean_tokens)
         rates = self.node(name)
         rates.queue(tokens, now, self._compute(rates).slope)
 

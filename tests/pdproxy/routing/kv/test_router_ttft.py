@@ -116,3 +116,26 @@ async def test_a_shed_batch_request_is_refused_and_charges_nothing() -> None:
         await router.finished(d, RequestOutcome(None, None, False))
     finally:
         await router.close()
+
+
+async def test_engine_readings_reach_the_backlog() -> None:
+    from pdproxy.routing.kv.engine_metrics_text import EngineSample
+    from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer, EngineReading
+    from pdproxy.settings.scorers import EngineLoadSettings
+
+    settings = SETTINGS.model_copy(update={"engine_load": EngineLoadSettings(enabled=True)})
+    router = KvRouter(
+        settings,
+        state=LocalState(MemoryIndex(BlockHasher(SEED, SETTINGS.block_size))),
+        tokenizer=OffLoopTokenizer(ByteEncoder(), 16_384),  # type: ignore[arg-type]
+        metrics=KvRouterMetrics(CollectorRegistry()),
+    )
+    try:
+        now = time.monotonic()
+        router.scorer(EngineLoadScorer).readings.put(
+            "p0", EngineReading(EngineSample(waiting=8, running=2, kv_usage=None), 0, now)
+        )
+        rates = router.scorer(TtftScorer).rates.snapshot(["p0", "p1"], now)
+        assert rates["p0"].backlog_tokens > 0 and rates["p1"].backlog_tokens == 0
+    finally:
+        await router.close()

@@ -170,3 +170,15 @@ def test_an_unobserved_node_drifts_toward_the_fastest_but_an_idle_pool_does_not(
         rates.observe_compute("fast", 700.0, 75.0, float(t))
     stale = rates.snapshot(["slow"], 40.0)["slow"]
     assert stale.compute.slope < 0.2  # tried again soon: it may have got faster
+
+
+def test_the_engines_waiting_queue_floors_the_backlog() -> None:
+    """Work other proxies sent (seen only in the engine's scrape) counts as queue ahead."""
+    rates = PoolRates(TtftSettings())
+    rates.queue("p", 1000, 0.0)
+    assert rates.snapshot(["p"], 0.0)["p"].backlog_tokens == 1000
+    rates.engine_waiting("p", 10, 0.0)  # ten waiting requests at the mean prefill
+    floor = rates.snapshot(["p"], 0.0)["p"].backlog_tokens
+    assert floor > 1000
+    # Both drain at the node's rate (0.1 ms/token seeded): 0.2 s later 2,000 tokens less.
+    assert rates.snapshot(["p"], 0.2)["p"].backlog_tokens == floor - 2000
