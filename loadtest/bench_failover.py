@@ -18,7 +18,7 @@ import time
 
 import orjson
 
-from pdproxy.request.continuation import ChunkShaper, EventSplitter, StreamLedger, event_data
+from pdproxy.request.stream_ledger import ChunkShaper, EventSplitter, StreamLedger, event_data
 
 
 def _stream(tokens: int) -> bytes:

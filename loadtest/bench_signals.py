@@ -52,6 +52,7 @@ class _Backend:
     in_flight: int = 0
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
+    events_listen: bool = False
 
 
 class _Registry:

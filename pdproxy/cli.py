@@ -112,7 +112,7 @@ def run_server(settings: ProxySettings) -> int:
     # process takes them.
     settings = settings.model_copy(update={"tenants": settings.tenants.with_secret()})
     count = process_count(settings.workers)
-    if count > 1 and settings.membership.registration.endpoint is not None:
+    if count > 1 and settings.membership.registration.listens:
         # One ROUTER socket per endpoint, and each process would hold only the registrations
         # that reached it: a worker group cannot share one registration listener.
         if settings.workers > 1:

@@ -104,25 +104,33 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 """Where libzmq asks a context's ZAP handler about each handshake (ZMQ RFC 27)."""
 
 
-class ClientGate:
-    """The ZAP handler of one context: admits the CURVE clients of ``keys``, refuses the rest.
+@dataclass(frozen=True, slots=True)
+class ZapRequest:
+    """One handshake libzmq asks a ZAP handler about (ZMQ RFC 27)."""
 
-    libzmq asks the handler bound in the server socket's context about every CURVE handshake;
-    without one, any client that knows the server's public key would be admitted. (pyzmq's
-    ``AsyncioAuthenticator`` polls a blocking socket and was seen to miss requests on a second
-    context in one event loop; this reads an asyncio socket.)"""
+    domain: bytes
+    address: str
+    """The peer's source IP address, as libzmq reports it."""
+    mechanism: bytes
+    """``NULL``, ``PLAIN`` or ``CURVE``."""
+    credentials: tuple[bytes, ...]
+
+
+class ZapHandler:
+    """The ZAP handler of one context: asks ``decide`` about every handshake of its sockets.
+
+    ``decide`` runs on the event loop, once per handshake, and must not block: it returns the
+    user id to admit the peer under (each message it sends carries it as
+    ``frame.get("User-Id")``), or None to refuse it. Without a handler bound, libzmq admits any
+    CURVE client that knows the server's public key, and NULL peers of a socket with a ZAP
+    domain are refused. (pyzmq's ``AsyncioAuthenticator`` polls a blocking socket and was seen
+    to miss requests on a second context in one event loop; this reads an asyncio socket.)"""
 
     def __init__(
-        self, context: zmq.asyncio.Context, keys: CurveServer | Callable[[bytes], bool]
+        self, context: zmq.asyncio.Context, decide: Callable[[ZapRequest], bytes | None]
     ) -> None:
-        """``keys``: the server's keys (a fixed set of admitted clients), or a predicate over a
-        client's raw 32-byte public key, asked at each handshake (a set that can change)."""
         self._ctx = context
-        if isinstance(keys, CurveServer):
-            allowed = frozenset(z85.decode(key) for key in keys.allowed_clients)
-            self._admits: Callable[[bytes], bool] = allowed.__contains__
-        else:
-            self._admits = keys
+        self._decide = decide
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.refused = 0
@@ -156,19 +164,47 @@ class ClientGate:
         if len(frames) < 6 or frames[0] != b"1.0":
             self.refused += 1
             return [b"1.0", frames[1] if len(frames) > 1 else b"", b"400", b"bad request", b"", b""]
-        request_id, mechanism, credentials = frames[1], frames[5], frames[6:]
+        request = ZapRequest(
+            domain=frames[2],
+            address=frames[3].decode(errors="replace"),
+            mechanism=frames[5],
+            credentials=tuple(frames[6:]),
+        )
+        user_id = self._decide(request)
+        if user_id is not None:
+            return [b"1.0", frames[1], b"200", b"OK", user_id, b""]
+        self.refused += 1
+        logger.debug("ZAP: refused a %s peer", request.mechanism.decode(errors="replace"))
+        return [b"1.0", frames[1], b"400", b"not admitted", b"", b""]
+
+
+class ClientGate(ZapHandler):
+    """The ZAP handler that admits the CURVE clients of ``keys`` and refuses the rest."""
+
+    def __init__(
+        self, context: zmq.asyncio.Context, keys: CurveServer | Callable[[bytes], bool]
+    ) -> None:
+        """``keys``: the server's keys (a fixed set of admitted clients), or a predicate over a
+        client's raw 32-byte public key, asked at each handshake (a set that can change)."""
+        if isinstance(keys, CurveServer):
+            allowed = frozenset(z85.decode(key) for key in keys.allowed_clients)
+            self._admits: Callable[[bytes], bool] = allowed.__contains__
+        else:
+            self._admits = keys
+        super().__init__(context, self._curve_client)
+
+    def _curve_client(self, request: ZapRequest) -> bytes | None:
+        credentials = request.credentials
         if (
-            mechanism == b"CURVE"
+            request.mechanism == b"CURVE"
             and len(credentials) == 1
             and len(credentials[0]) == 32
             and self._admits(credentials[0])
         ):
             # The user id is the client's z85 public key: a receiving socket reads it from each
             # message (``frame.get("User-Id")``) to tell which admitted client sent it.
-            return [b"1.0", request_id, b"200", b"OK", z85.encode(credentials[0]), b""]
-        self.refused += 1
-        logger.debug("KV events: refused a %s client", mechanism.decode(errors="replace"))
-        return [b"1.0", request_id, b"400", b"client key not admitted", b"", b""]
+            return z85.encode(credentials[0])
+        return None
 
 
 def _load_secret(path: Path) -> tuple[bytes, bytes]:

@@ -1,8 +1,11 @@
 """Where a data-parallel rank publishes: vLLM's ``ZmqEventPublisher.offset_endpoint_port``.
 
 Every DP rank of an engine runs its own publisher; rank ``r`` binds the configured endpoint's
-port + ``r`` (``ipc://`` and ``inproc://`` endpoints get a ``_dp<r>`` suffix), and so does its
-replay socket. Subscribers find rank ``r``'s stream by the same rule.
+port + ``r`` (``inproc://`` endpoints get a ``_dp<r>`` suffix), and so does its replay socket.
+Subscribers find rank ``r``'s stream by the same rule. ``ipc://`` endpoints get the suffix
+here (kvtier's reference worker), but vLLM 0.32 refuses them for rank 1 and up (its engine core
+dies at start-up: "Invalid endpoint: must contain 'inproc' or 'tcp'"), so a DP vLLM publishes
+on ``tcp://`` only.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ missing sequence. When events are lost for good (no replay socket, the replay bu
 holds them, the replay timed out, or the publisher restarted and its sequence went back)
 ``on_reset`` is awaited first: the receiver's view of that engine can no longer be trusted.
 
-An endpoint with a wildcard host (``tcp://*:PORT``) makes the subscriber bind and the engine
-connect to it (vLLM's PUB connects whenever its endpoint is a concrete address); any other
-endpoint (``tcp://host:port``, ``ipc://path``) is connected to. A bound subscriber is a
+An endpoint with a wildcard host (``tcp://*:PORT``), or any endpoint with ``bind=True``, makes
+the subscriber bind and the engine connect to it (vLLM's PUB connects whenever its endpoint is a
+concrete address: ``tcp://127.0.0.1:PORT`` on both sides keeps the events on loopback); any
+other endpoint (``tcp://host:port``, ``ipc://path``) is connected to. A bound subscriber is a
 listener: whoever reaches the port can publish events, which steer routing decisions (they
 cannot fail a request or stall the subscriber), so bind on a private network only.
 
@@ -112,8 +113,11 @@ class EventSubscriber:
         curve: CurveClient | None = None,
         on_gap: OnGap | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        bind: bool = False,
     ) -> None:
         """``curve``: the keys for a CURVE publisher (both sockets, live and replay).
+        ``bind``: listen at ``endpoint`` for the publisher to connect (a wildcard endpoint
+        always does); the replay socket is always connected to.
         ``on_gap(seq)``: called (synchronously, must not raise) when batches before live
         sequence ``seq`` are found missing and are about to be replayed, and with ``None``
         when the connection to the publisher drops; ``on_reset`` follows if they are lost.
@@ -123,6 +127,7 @@ class EventSubscriber:
         self._max_message_bytes = max_message_bytes
         self._on_gap = on_gap
         self.endpoint = endpoint
+        self._bind = bind or "*" in endpoint
         self._curve = curve
         self.replay_endpoint = replay_endpoint
         self._on_batch = on_batch
@@ -174,7 +179,7 @@ class EventSubscriber:
         )
         self._monitor = monitor
         try:
-            if "*" in self.endpoint:
+            if self._bind:
                 # A wildcard names a socket to listen on: the engine connects to us, as vLLM
                 # does whenever its own endpoint is a concrete address (it binds only
                 # wildcards and ipc).

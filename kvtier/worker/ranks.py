@@ -5,10 +5,11 @@ pools, its own P2P server on ``p2p_port`` + ``r`` (any free port when ``p2p_port
 its own event publisher on the events and replay endpoints' port + ``r``, stamping rank ``r``
 on its batches. Only rank 0 announces itself to a proxy.
 
-A request names its rank with ``X-data-parallel-rank`` (what the proxy sends); a value that is
-not an integer in ``[0, data_parallel_size)`` is refused (400). Without the header the rank
-with the fewest requests running and waiting serves it, ties broken round robin (vLLM's own
-API server also balances by load).
+A request names its rank with ``X-data-parallel-rank`` (what the proxy sends), read as vLLM
+0.32 reads it (``int(value)``): an integer outside ``[0, data_parallel_size)`` is refused (400,
+vLLM's "data_parallel_rank ... is out of range"); a value that is not an integer is ignored,
+as vLLM ignores it. Without a usable header the rank with the fewest requests running and
+waiting serves it, ties broken round robin (vLLM's own API server also balances by load).
 
 Who may send the header: any client the worker's API key admits; it only picks which of this
 worker's own engines computes the request.
@@ -55,8 +56,10 @@ class WorkerRanks:
         cls, settings: WorkerSettings, connector_factory: ConnectorFactory | None
     ) -> WorkerRanks:
         size = settings.data_parallel_size
-        if size == 1:
-            return cls([Worker(settings, connector_factory=connector_factory)])
+        if size == 1:  # tagged 0 all the same: vLLM stamps every batch with its rank
+            return cls(
+                [Worker(settings, connector_factory=connector_factory, data_parallel_rank=0)]
+            )
         return cls(
             [
                 Worker(rank_settings(settings, r), connector_factory=connector_factory,
@@ -71,13 +74,13 @@ class WorkerRanks:
     def pick(self, header: str | None) -> int:
         """The rank that serves a request whose ``X-data-parallel-rank`` is ``header``."""
         n = len(self.workers)
-        if header is not None:
-            value = header.strip()
-            if not (value.isascii() and value.isdigit()) or len(value) > 4 or int(value) >= n:
+        rank = _header_rank(header)
+        if rank is not None:
+            if not 0 <= rank < n:
                 raise InvalidRequest(
                     f"{DP_RANK_HEADER} must be an integer in [0, {n})", param=DP_RANK_HEADER
                 )
-            return int(value)
+            return rank
         if n == 1:
             return 0
         start = self._turn
@@ -113,3 +116,15 @@ class WorkerRanks:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+def _header_rank(header: str | None) -> int | None:
+    """The header's rank as vLLM parses it (``int()``, so `` 1``, ``+1``, ``-1`` are integers),
+    None when absent or not an integer. Long values are not integers to vLLM either (Python's
+    ``int`` refuses past 4300 digits); 16 characters bound the work here."""
+    if header is None or len(header) > 16:
+        return None
+    try:
+        return int(header)
+    except ValueError:
+        return None

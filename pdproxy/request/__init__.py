@@ -12,7 +12,8 @@ request's :class:`~pdproxy.request.record.RequestRecord` (read once, at the end)
 :mod:`~pdproxy.request.producer`, :mod:`~pdproxy.request.consumer`,
 :mod:`~pdproxy.request.relay`, :mod:`~pdproxy.request.legs` (leg bodies, dialects),
 :mod:`~pdproxy.request.retry`, :mod:`~pdproxy.request.failover` with
-:mod:`~pdproxy.request.continuation` (mid-stream failover), :mod:`~pdproxy.request.release`
+:mod:`~pdproxy.request.continuation` and :mod:`~pdproxy.request.stream_ledger` (mid-stream
+failover), :mod:`~pdproxy.request.release`
 (P2P supplies), :mod:`~pdproxy.request.record` (ids, what the request did),
 :mod:`~pdproxy.request.trace` (spans, optional).
 """

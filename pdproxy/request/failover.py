@@ -49,17 +49,20 @@ from pdproxy.front.intake import ClientBody, Endpoint
 from pdproxy.front.responses import stream_error_event
 from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.request.continuation import (
-    ChunkShaper,
-    EventSplitter,
-    StreamLedger,
-    StreamNotFollowable,
+    asked_token_ids,
     continuation_body,
-    event_data,
     first_leg,
     migration_refusal,
 )
 from pdproxy.request.legs import leg_headers
 from pdproxy.request.relay import LegHold, Relay, StreamEnd
+from pdproxy.request.stream_ledger import (
+    ChunkShaper,
+    EventSplitter,
+    StreamLedger,
+    StreamNotFollowable,
+    event_data,
+)
 from pdproxy.settings.proxy import FailoverSettings
 from pdproxy.upstream.client import Upstream
 from pdproxy.upstream.pool import HttpClientError
@@ -377,6 +380,8 @@ class StreamFailover:
             client_usage=opts.get("include_usage") is True,
             client_continuous=opts.get("include_usage") is True
             and opts.get("continuous_usage_stats") is True,
+            client_token_ids=asked_token_ids(body.data),
+            token_ids=self._settings.token_ids,
         )
 
     @property
@@ -401,15 +406,19 @@ class MigrationPlan:
     body: ClientBody
     client_usage: bool
     client_continuous: bool
+    client_token_ids: bool = False
+    """The client asked for ``token_ids`` itself (else the proxy strips them)."""
+    token_ids: bool = False
+    """Ask every leg for token ids, so a continuation resumes from ids (``failover.token_ids``)."""
 
     def first_leg(self, kv_params: dict[str, Any] | None) -> bytes:
-        data = first_leg(self.body.data)
+        data = first_leg(self.body.data, self.token_ids)
         if kv_params is not None:
             data["kv_transfer_params"] = kv_params
         return self.body.encode(data)
 
     def continuation(self, ledger: StreamLedger) -> bytes | str:
-        made = continuation_body(self.endpoint, self.body.data, ledger)
+        made = continuation_body(self.endpoint, self.body.data, ledger, self.token_ids)
         return made if isinstance(made, str) else self.body.encode(made)
 
     def shaper(self, ledger: StreamLedger, continuation: bool) -> ChunkShaper:
@@ -418,4 +427,5 @@ class MigrationPlan:
             continuation=continuation,
             client_usage=self.client_usage,
             client_continuous=self.client_continuous,
+            client_token_ids=self.client_token_ids,
         )

@@ -254,6 +254,7 @@ class RequestPath:
                 record.producer_s = time.perf_counter() - t
             if produced is not None:
                 record.producer = produced.producer
+                record.producer_cached_tokens = produced.cached_tokens
                 record.kv_peer = kv_peer_of(produced.kv_params)
             if trace is not None:
                 trace.producer_done(record.producer, record.retries)

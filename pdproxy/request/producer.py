@@ -29,6 +29,7 @@ from pdproxy.request.legs import (
     with_kv_source,
 )
 from pdproxy.request.record import RequestRecord
+from pdproxy.request.relay import find_cached_tokens
 from pdproxy.request.release import Supply
 from pdproxy.request.retry import RetryPolicy
 from pdproxy.routing.base import PullSource
@@ -47,6 +48,8 @@ class ProducerResult:
     """The consumer leg's ``kv_transfer_params``."""
     supply: Supply
     """What the producer holds for the consumer (kept by the lease until the request ends)."""
+    cached_tokens: int | None = None
+    """The producer's own prefix-cache hit (its answer's ``cached_tokens``), when reported."""
 
 
 class ProducerPhase:
@@ -120,5 +123,5 @@ class ProducerPhase:
                 hold.release()
             self._metrics.observe_leg("producer", producer.name, time.perf_counter() - t_leg)
             lease.supply = supply
-            return ProducerResult(producer.name, kv_params, supply)
+            return ProducerResult(producer.name, kv_params, supply, find_cached_tokens(answer))
         return None

@@ -75,8 +75,8 @@ class RequestRecord:
 
     __slots__ = (
         "cached_tokens", "client_request_id", "consumer", "consumer_first_byte_s", "dialect",
-        "endpoint", "fallback", "hides_cached_tokens", "kv_peer", "producer", "producer_s",
-        "request_id",
+        "endpoint", "fallback", "hides_cached_tokens", "kv_peer", "producer",
+        "producer_cached_tokens", "producer_s", "request_id",
         "retries", "route_s", "stage", "t0",
     )  # fmt: skip
 
@@ -105,6 +105,8 @@ class RequestRecord:
         """The consumer that answered (a refusal included); after a migration, the last one."""
         self.cached_tokens: int | None = None
         """``usage.prompt_tokens_details.cached_tokens`` from the consumer, when reported."""
+        self.producer_cached_tokens: int | None = None
+        """The same from the producer leg's answer (the producer's own prefix-cache hit)."""
         self.hides_cached_tokens = False
         """The client may not see ``cached_tokens``: its answer shows 0 (the figure above stays
         the engine's, for the metrics)."""

@@ -213,6 +213,9 @@ class RequestTrace:
         if decision.predicted_cached_tokens is not None:
             span.set_attribute("pdproxy.route.predicted_cached_tokens",
                                decision.predicted_cached_tokens)  # fmt: skip
+        if decision.predicted_producer_cached_tokens is not None:
+            span.set_attribute("pdproxy.route.predicted_producer_cached_tokens",
+                               decision.predicted_producer_cached_tokens)  # fmt: skip
         if decision.prompt_tokens is not None:
             span.set_attribute("pdproxy.route.prompt_tokens", decision.prompt_tokens)
         span.end()
@@ -283,6 +286,8 @@ class RequestTrace:
         })  # fmt: skip
         if record.producer is not None:
             span.set_attribute("pdproxy.producer", record.producer)
+        if record.producer_cached_tokens is not None:
+            span.set_attribute("pdproxy.producer_cached_tokens", record.producer_cached_tokens)
         if record.consumer is not None:
             span.set_attribute("pdproxy.consumer", record.consumer)
         if record.cached_tokens is not None:

@@ -99,6 +99,9 @@ class RouteDecision(Generic[B]):
     """Candidates' scores for the opt-in debug header and debug log."""
     predicted_cached_tokens: int | None = None
     """Tokens the router expects the chosen consumer to find cached (for drift telemetry)."""
+    predicted_producer_cached_tokens: int | None = None
+    """Tokens the router expects the first producer to find cached (None: no producer leg, or
+    no prediction)."""
     prompt_tokens: int | None = None
     route_time_s: float = 0.0
     consumer_ranks: Mapping[str, int] = field(default_factory=dict)
@@ -120,6 +123,8 @@ class RequestOutcome:
     ok: bool
     cached_tokens: int | None = None
     """``usage.prompt_tokens_details.cached_tokens`` from the consumer, when it reported one."""
+    producer_cached_tokens: int | None = None
+    """The same from the producer leg's answer (its own prefix-cache hit)."""
     # Timings are measurements, not what the request did: outcomes compare without them.
     producer_s: float = field(default=0.0, compare=False)
     """The producer phase's time (0: none ran); the TTFT model learns producer rates from it."""

@@ -128,6 +128,7 @@ class DpRankRouter:
             reason=inner.reason,
             explain=explain,
             predicted_cached_tokens=inner.predicted_cached_tokens,
+            predicted_producer_cached_tokens=inner.predicted_producer_cached_tokens,
             prompt_tokens=inner.prompt_tokens,
             route_time_s=inner.route_time_s,
             consumer_ranks=c_ranks,

@@ -47,6 +47,12 @@ class BackendConfig(BaseModel):
     events_replay_endpoint: str | None = None
     """The publisher's replay socket (e.g. ``tcp://host:5559``): missed events are asked for
     here. Takes precedence over ``router_options.replay`` for this backend."""
+    events_listen: bool = False
+    """The proxy listens at ``events_endpoint`` (``tcp://host:port``, and port + ``r`` for rank
+    ``r``) and the engine connects to it, as vLLM's publisher does for a concrete address: a DP
+    vLLM 0.32 can publish privately only so (it refuses ``ipc://`` for rank 1 and up and binds
+    only ``tcp://*``). A listener: whoever reaches it can publish events, which steer routing
+    but cannot fail a request; bind loopback or a private network (docs/security.md)."""
     health_path: str = "/health"
     kv_address: str | None = None
     """``host:port`` this producer announces for KV transfer (the P2P server, or NIXL's side
@@ -116,6 +122,8 @@ class BackendConfig(BaseModel):
         if last:
             for endpoint in (self.events_endpoint, self.events_replay_endpoint):
                 offset_endpoint(endpoint, last)  # ValueError: no port to offset by a rank
+        if self.events_listen and not (self.events_endpoint or "").startswith("tcp://"):
+            raise ValueError("events_listen needs a tcp:// events_endpoint to listen at")
         return self
 
     @property

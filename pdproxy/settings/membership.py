@@ -111,16 +111,61 @@ def nameserver_address(value: str) -> tuple[str, int]:
     return host, port
 
 
-class RegistrationSettings(BaseModel):
-    """The ZMQ ROUTER that workers announce themselves to (vLLM's P2P proxy registration).
+class TrustedFabricSettings(BaseModel):
+    """Opt-in: a second registration socket for stock vLLM, which cannot speak CURVE.
 
-    CURVE is required: the proxy holds a server certificate and admits only the client public
-    keys in ``curve_clients_dir`` (``python -m kvtier.events.curve DIR NAME`` writes a pair)."""
+    It admits a connection (ZMQ's ZAP handler, before any message is read) only when the
+    connection's source address is in ``networks``; anyone who can send from such an address
+    can register backends that receive client prompts. Use it only on a fabric where every host
+    in ``networks`` is trusted (a private cluster network), never on a shared or routed one.
+    Everything else is the authenticated socket's: caps, rates, draining, the admin view."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: str | None = None
+    """``tcp://host:port`` to bind (None, the default: no unauthenticated registration)."""
+    networks: list[str] = Field(default_factory=list)
+    """Source networks (CIDR) admitted to connect; required with ``endpoint``."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("tcp://"):
+            raise ValueError("trusted_fabric endpoint must be tcp://host:port")
+        return value
+
+    @field_validator("networks")
+    @classmethod
+    def _check_networks(cls, value: list[str]) -> list[str]:
+        for text in value:
+            network = ipaddress.ip_network(text, strict=False)
+            if network.prefixlen == 0:
+                raise ValueError(
+                    f"trusted_fabric network {text} admits every address: name the fabric's"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _networks_required(self) -> TrustedFabricSettings:
+        if self.endpoint is not None and not self.networks:
+            raise ValueError("trusted_fabric needs networks: the source networks it admits")
+        return self
+
+
+class RegistrationSettings(BaseModel):
+    """The ZMQ socket that workers announce themselves to (vLLM's proxy registration).
+
+    CURVE is required on ``endpoint``: the proxy holds a server certificate and admits only the
+    client public keys in ``curve_clients_dir`` (``python -m kvtier.events.curve DIR NAME``
+    writes a pair). ``trusted_fabric`` (off by default) adds a socket without CURVE for stock
+    vLLM, admitting only source addresses in its networks."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     endpoint: str | None = None
     """``tcp://host:port`` to bind (None: no registration listener)."""
+    trusted_fabric: TrustedFabricSettings = Field(default_factory=TrustedFabricSettings)
+    """Stock vLLM's registration without CURVE, from these source networks only (opt-in)."""
     curve_secret_key_file: Path | None = None
     """The proxy's CURVE secret certificate (``NAME.key_secret``)."""
     curve_clients_dir: Path | None = None
@@ -167,6 +212,11 @@ class RegistrationSettings(BaseModel):
             ipaddress.ip_network(network, strict=False)
         return value
 
+    @property
+    def listens(self) -> bool:
+        """Whether any registration socket is configured (CURVE or trusted fabric)."""
+        return self.endpoint is not None or self.trusted_fabric.endpoint is not None
+
     @model_validator(mode="after")
     def _curve_required(self) -> RegistrationSettings:
         if self.endpoint is not None and (
@@ -195,9 +245,7 @@ class MembershipSettings(BaseModel):
 
     @model_validator(mode="after")
     def _dns_does_not_own_registered_names(self) -> MembershipSettings:
-        if self.registration.endpoint is not None and any(
-            group.name == "reg" for group in self.dns.groups
-        ):
+        if self.registration.listens and any(group.name == "reg" for group in self.dns.groups):
             raise ValueError(
                 "DNS group 'reg' would own every registered worker's name (reg-<address>-<port>):"
                 " rename the group"

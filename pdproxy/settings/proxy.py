@@ -126,6 +126,11 @@ class FailoverSettings(BaseModel):
     that many times at most."""
 
     max_migrations: int = Field(default=0, ge=0, le=2)
+    token_ids: bool = True
+    """Ask a migratable stream's consumer for token ids (``return_token_ids``: vLLM, the
+    reference worker) so a continuation resumes from the ids the client received, exact by
+    construction; off for an engine that refuses the field (continuations then resume from
+    text)."""
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

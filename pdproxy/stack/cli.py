@@ -65,6 +65,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model dir (PDPROXY_VLLM_MODEL_DIR, else in the venv)")  # fmt: skip
     parser.add_argument("--producers", type=int, default=1, help="producer workers (1)")
     parser.add_argument("--consumers", type=int, default=1, help="consumer workers (1)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help="data-parallel ranks per worker (1), routed per rank")  # fmt: skip
     parser.add_argument(
         "--model",
         choices=[m.value for m in WorkerModel],
@@ -83,7 +85,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="ADAPTER[@MODEL]",
-        help="LoRA adapter served by every worker of MODEL (default: the first model); repeatable",
+        help="LoRA adapter served by every worker of MODEL (default: the first model); "
+        "repeatable. With --engine vllm: an adapter made from a seed for the tiny model, loaded "
+        "with --enable-lora",
     )
     parser.add_argument(
         "--dialect",
@@ -156,6 +160,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         worker_args=tuple(worker_args),
         proxy_args=tuple(args.proxy_arg),
         router=args.router,
+        data_parallel_size=args.data_parallel_size,
     )
 
 
@@ -275,9 +280,6 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdproxy-up-"))  # mode 0700
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if args.engine == "vllm" and (options.models or options.lora):
-        print("error: --models and --lora need the reference workers (--engine worker)")
-        return 2
     try:
         if args.engine == "vllm":
             paths = VllmPaths.resolve(args.vllm_venv, args.vllm_model)

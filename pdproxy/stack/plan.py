@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from kvtier.private_file import write_private_text
-from pdproxy.stack.ports import free_port
+from pdproxy.stack.ports import free_port, free_port_run
 from pdproxy.stack.process import ProcessSpec
 
 PortSource = Callable[[], int]
@@ -69,6 +69,9 @@ class StackOptions:
     after the worker backend)."""
     lora: tuple[tuple[str, str], ...] = ()
     """(adapter, model): LoRA adapters loaded on every worker of that model."""
+    data_parallel_size: int = 1
+    """Data-parallel ranks per worker (vLLM's ``--data-parallel-size``; the reference worker
+    has the same): each rank its own engine and KV cache, the proxy routing per rank."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,8 @@ def _check_models(options: StackOptions) -> None:
 def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_port) -> StackPlan:
     if options.producers < 1 or options.consumers < 1:
         raise ValueError("a PD stack needs at least one producer and one consumer")
+    if options.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be at least 1")
     _check_models(options)
     host = _url_host(options.host)
     secret = secrets.token_hex(16)
@@ -161,8 +166,12 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
         for adapter in adapters:
             model_args += ("--lora-modules", adapter)
         http_port = ports()
-        events_endpoint = f"tcp://127.0.0.1:{ports()}"
-        replay_endpoint = f"tcp://127.0.0.1:{ports()}"
+        dp = options.data_parallel_size
+        # Rank r publishes on these ports + r: runs of free ports for several ranks.
+        events_endpoint = f"tcp://127.0.0.1:{ports() if dp == 1 else free_port_run(dp)}"
+        replay_endpoint = f"tcp://127.0.0.1:{ports() if dp == 1 else free_port_run(dp)}"
+        if dp > 1:
+            model_args += ("--data-parallel-size", str(dp))
         argv = (
             options.python, "-m", "kvtier.worker",
             "--role", role,
@@ -194,6 +203,8 @@ def build_plan(options: StackOptions, run_dir: Path, ports: PortSource = free_po
             "events_endpoint": events_endpoint,
             "events_replay_endpoint": replay_endpoint,
         }
+        if dp > 1:
+            backend["data_parallel_size"] = dp
         if options.models or options.lora:
             backend["models"] = [served_name or name, *adapters]
         backends.append(backend)

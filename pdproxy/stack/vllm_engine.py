@@ -34,6 +34,10 @@ The router hashes with the same size so its predictions equal what vLLM can cach
 
 MAX_MODEL_LEN = 2048
 
+LORA_MAX_RANK = 8
+"""``--max-lora-rank`` of instances that load adapters: the rank of the stack's own adapters
+(:data:`pdproxy.stack.vllm_lora.LORA_RANK`); vLLM sizes its LoRA buffers by it."""
+
 NIXL_KV_LEASE_S = 180
 """How long a NIXL producer keeps a finished prefill's blocks for its consumer (vLLM's
 ``kv_lease_duration``; its default is 30 s, renewed by the consumer's heartbeats). The consumer
@@ -133,6 +137,11 @@ class VllmInstance:
     connector: VllmConnector = VllmConnector.NIXL
     p2p_port: int | None = None
     """kvtier connector: the instance's P2P server port (its ``kv_address`` for the proxy)."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters it loads at start (``--lora-modules``), served under their own names."""
+    data_parallel_size: int = 1
+    """Ranks (``--data-parallel-size``): rank ``r`` connects its KV events to the events port
+    + ``r``, where the proxy listens (``events_listen``), and binds its replay port + ``r``."""
 
 
 def engine_env(side_channel_port: int | None) -> dict[str, str]:
@@ -169,14 +178,29 @@ def vllm_instance(
     p2p_port: int | None = None,
     p2p_secret: str | None = None,
     kvtier_options: Mapping[str, object] | None = None,
+    lora_modules: Mapping[str, Path] | None = None,
+    data_parallel_size: int = 1,
+    dp_event_ports: tuple[int, int] | None = None,
 ) -> VllmInstance:
     """The command line of one instance; its event sockets are files in ``socket_dir``.
 
+    ``data_parallel_size`` > 1 needs ``dp_event_ports``: the first of that many consecutive free
+    ports each for the events and the replay sockets (TCP on loopback: vLLM 0.32 refuses
+    ``ipc://`` for rank 1 and up), and a NIXL side channel at the first of as many (rank ``r``
+    listens on its port + ``r``).
+
     ``connector=KVTIER`` needs ``p2p_port`` and ``p2p_secret`` for PD roles (and ignores
     ``side_channel_port``); ``kvtier_options`` are more ``kv_connector_extra_config`` keys
-    (e.g. ``{"offload_prompts": True}``)."""
+    (e.g. ``{"offload_prompts": True}``). ``lora_modules``: adapter name → directory
+    (:func:`pdproxy.stack.vllm_lora.make_adapter`), loaded with ``--enable-lora``."""
     events = f"ipc://{socket_dir / f'{name}-events'}"
     replay = f"ipc://{socket_dir / f'{name}-replay'}"
+    if data_parallel_size > 1:
+        if dp_event_ports is None:
+            raise ValueError(f"{name}: {data_parallel_size} ranks need runs of event ports")
+        # A concrete address: vLLM's PUB connects to the proxy listening there; replay binds.
+        events = f"tcp://127.0.0.1:{dp_event_ports[0]}"
+        replay = f"tcp://127.0.0.1:{dp_event_ports[1]}"
     kv_events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -196,6 +220,8 @@ def vllm_instance(
         "--enable-prompt-tokens-details",
         "--kv-events-config", json.dumps(kv_events),
     ]  # fmt: skip
+    if data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(data_parallel_size)]
     kvtier = connector is VllmConnector.KVTIER and role is not VllmRole.SINGLE
     env = engine_env(None)
     if kvtier:
@@ -227,6 +253,11 @@ def vllm_instance(
         }
         argv += ["--kv-transfer-config", json.dumps(transfer)]
         env = engine_env(side_channel_port)
+    adapters = tuple(lora_modules or {})
+    if lora_modules:
+        argv += ["--enable-lora", "--max-lora-rank", str(LORA_MAX_RANK)]
+        argv += ["--lora-modules", *(f"{n}={path}" for n, path in lora_modules.items())]
+        argv += ["--max-loras", str(len(adapters))]
     argv += extra_args
     url = f"http://127.0.0.1:{http_port}"
     spec = ProcessSpec(
@@ -237,12 +268,17 @@ def vllm_instance(
         role=role.value,
     )
     used = connector if role is not VllmRole.SINGLE else VllmConnector.NIXL
-    return VllmInstance(spec, url, events, replay, role, used, p2p_port if kvtier else None)
+    p2p = p2p_port if kvtier else None
+    return VllmInstance(spec, url, events, replay, role, used, p2p, adapters, data_parallel_size)
 
 
-def proxy_backend(instance: VllmInstance) -> dict[str, Any]:
+def proxy_backend(instance: VllmInstance, *, list_models: bool = False) -> dict[str, Any]:
     """The instance as a proxy backend (NIXL or, for kvtier, P2P dialect; events wired). A
-    kvtier producer's answers must name its own P2P server (``kv_address``)."""
+    kvtier producer's answers must name its own P2P server (``kv_address``).
+
+    With adapters (or ``list_models``) the backend lists its models, so a request for an
+    adapter goes only to instances that loaded it, from the first request on (a backend
+    without a list may serve anything until its ``/v1/models`` is learned)."""
     role = "consumer" if instance.role is VllmRole.SINGLE else instance.role.value
     dialect = "nixl" if instance.connector is VllmConnector.NIXL else "p2p"
     backend: dict[str, Any] = {
@@ -255,6 +291,11 @@ def proxy_backend(instance: VllmInstance) -> dict[str, Any]:
     }
     if instance.p2p_port is not None and instance.role is VllmRole.PRODUCER:
         backend["kv_address"] = f"127.0.0.1:{instance.p2p_port}"
+    if instance.adapters or list_models:
+        backend["models"] = [SERVED_NAME, *instance.adapters]
+    if instance.data_parallel_size > 1:
+        backend["data_parallel_size"] = instance.data_parallel_size
+        backend["events_listen"] = True
     return backend
 
 

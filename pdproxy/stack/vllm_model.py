@@ -88,7 +88,7 @@ def train_tokenizer(seed: int, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _bf16(values: Iterator[float]) -> bytes:
+def bf16(values: Iterator[float]) -> bytes:
     """Round-to-nearest-even float32 → bfloat16, little endian."""
     out = bytearray()
     for v in values:
@@ -106,10 +106,10 @@ def _tensors(shape: TinyLlamaShape, vocab: int, seed: int) -> Iterator[Tensor]:
     rng = random.Random(f"weights/{seed}")
 
     def normal(rows: int, cols: int, std: float) -> bytes:
-        return _bf16(rng.gauss(0.0, std) for _ in range(rows * cols))
+        return bf16(rng.gauss(0.0, std) for _ in range(rows * cols))
 
     def ones(n: int) -> bytes:
-        return _bf16(1.0 for _ in range(n))
+        return bf16(1.0 for _ in range(n))
 
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     yield "model.embed_tokens.weight", [vocab, h], normal(vocab, h, 1.0)

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+import yaml
 
 from tests.docker.conftest import DOCKER, REQUIRED_SECRETS
 
@@ -38,3 +39,22 @@ def test_every_installed_compose_accepts_the_file(name: str) -> None:
                 capture_output=True, text=True, timeout=60, env=env, check=False,
             )  # fmt: skip
             assert out.returncode == 0, (cli, profile, out.stderr)
+
+
+def test_the_gpu_overlay_merges_onto_the_vllm_layout() -> None:
+    clis = _clis()
+    if not clis:
+        pytest.skip("no Compose CLI installed (docker/engine setup installs docker-compose)")
+    env = {**os.environ, **REQUIRED_SECRETS["compose.vllm.yaml"]}
+    files = ["-f", str(DOCKER / "compose.vllm.yaml"), "-f", str(DOCKER / "compose.vllm.gpu.yaml")]
+    for cli in clis:
+        out = subprocess.run(
+            [*cli, *files, "config"], capture_output=True, text=True, timeout=60, env=env,
+            check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, (cli, out.stderr)
+        merged = yaml.safe_load(out.stdout)["services"]
+        for engine, gpu in (("prefill-0", "0"), ("decode-0", "1")):
+            [device] = merged[engine]["deploy"]["resources"]["reservations"]["devices"]
+            assert device["device_ids"] == [gpu] and device["capabilities"] == ["gpu"]
+            assert merged[engine]["command"][0] == "Qwen/Qwen2.5-0.5B-Instruct"  # kept

@@ -1,7 +1,9 @@
-"""docker/compose.vllm.yaml: vLLM with NixlConnector and KV events, pdproxy in the NIXL dialect.
+"""docker/compose.vllm.yaml: vLLM with NixlConnector and KV events, pdproxy in the NIXL dialect;
+its GPU overlay (compose.vllm.gpu.yaml) and the CPU settings the live test runs it with.
 
 vLLM is not installed here, so its flags are checked for shape (the JSON configs parse and say
 what the proxy relies on); the proxy side is checked against the real CLI and settings.
+tests/docker/test_vllm_stack_live.py runs the file for real on CPUs.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+import yaml
 
 from pdproxy.cli import build_parser, settings_from_args
 from pdproxy.settings import Dialect
-from tests.docker.conftest import environment, load_compose
+from tests.docker.conftest import DOCKER, environment, load_compose
 
 ENGINES = {"prefill-0": "producer", "decode-0": "consumer"}
 
@@ -43,17 +46,52 @@ def test_engines_enable_nixl_prefix_caching_and_kv_events(compose: dict[str, Any
         assert service["command"][0] == "org/some-model"
         flags = _flags(service["command"])
         transfer = json.loads(flags["--kv-transfer-config"])
-        assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        assert transfer == {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cuda",
+            "kv_connector_extra_config": {"kv_lease_duration": 30},  # vLLM's default
+        }
         events = json.loads(flags["--kv-events-config"])
         assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
         assert urlparse(events["endpoint"]).port == 5557
         assert "--enable-prefix-caching" in flags and flags["--block-size"] == "16"
+        assert flags["--optimization-level"] == "2"  # vLLM's default
         assert environment(service)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == name
+        assert "deploy" not in service  # devices come from the GPU overlay
+        assert "healthcheck" in service
+    overlay = yaml.safe_load((DOCKER / "compose.vllm.gpu.yaml").read_text())
+    assert set(overlay["services"]) == set(ENGINES)
+    for service in overlay["services"].values():
         devices = service["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
         gpus += devices[0]["device_ids"]
-        assert "healthcheck" in service
     assert sorted(gpus) == ["0", "1"]
+
+
+CPU = {
+    "MODEL": "/models/tiny-llama",
+    "VLLM_IMAGE": "pdproxy-vllm-cpu:local",
+    "VLLM_BLOCK_SIZE": "128",
+    "VLLM_OPTIMIZATION_LEVEL": "0",
+    "VLLM_KV_BUFFER_DEVICE": "cpu",
+    "VLLM_KV_LEASE_S": "180",
+}
+"""What the live test sets to run the file on CPUs (docker/images --local --vllm)."""
+
+
+def test_the_cpu_settings_reach_the_engines_and_the_router() -> None:
+    services = load_compose("compose.vllm.yaml", CPU)["services"]
+    for name in ENGINES:
+        service = services[name]
+        assert service["image"] == "pdproxy-vllm-cpu:local"
+        flags = _flags(service["command"])
+        assert flags["--block-size"] == "128" and flags["--optimization-level"] == "0"
+        transfer = json.loads(flags["--kv-transfer-config"])
+        assert transfer["kv_buffer_device"] == "cpu"
+        assert transfer["kv_connector_extra_config"] == {"kv_lease_duration": 180}
+    router = json.loads(environment(services["proxy"])["PDPROXY_ROUTER_OPTIONS"])
+    assert router["block_size"] == 128  # the router hashes blocks as the engines cache them
 
 
 def test_proxy_runs_the_nixl_dialect_in_front_of_the_engines(

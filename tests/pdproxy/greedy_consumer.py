@@ -12,6 +12,10 @@ event), ``error_event`` (an error event, then ``[DONE]``), ``truncate`` (a clean
 body without ``[DONE]``), ``stall`` (nothing more is sent), ``before_usage`` (dropped after the
 last token, before the usage chunk), ``mid_usage`` (dropped in the middle of the usage
 chunk), ``garbage`` (an event that is not JSON: hostile).
+
+Token ids are the text's UTF-8 bytes (the reference worker's tokenizer): ``return_token_ids``
+puts them in the chunks, and the prompt's where vLLM does (chat: the role chunk's top level;
+completions: the first choice); chat honours vLLM's ``kv_transfer_params.prompt_token_ids``.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class GreedyConsumer:
     fault: Fault | None = None
     bodies: list[dict[str, Any]] = field(default_factory=list)
     open_connections: int = 0
+    reuses_prompt_ids: bool = True
+    """Chat honours ``kv_transfer_params.prompt_token_ids`` (vLLM >= 0.32); False: ignores it."""
     server: asyncio.Server | None = None
     port: int = 0
 
@@ -104,7 +110,11 @@ class GreedyConsumer:
         body = orjson.loads(raw)
         self.bodies.append(body)
         chat = b"/chat/" in first
-        prompt = render_chat(body) if chat else _prompt_text(body["prompt"])
+        reused = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+        if chat and reused is not None and self.reuses_prompt_ids:
+            prompt = bytes(reused).decode()  # vLLM's decode-side token reuse
+        else:
+            prompt = render_chat(body) if chat else _prompt_text(body["prompt"])
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         if not body.get("stream"):
             text = greedy(prompt, limit)
@@ -156,11 +166,16 @@ class GreedyConsumer:
             await writer.drain()
             await asyncio.sleep(0)
 
+        ids = body.get("return_token_ids") is True  # token ids: the text's bytes
+        prompt_ids: list[int] | None = list(prompt.encode()) if ids else None
         if chat:
             choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
                       "finish_reason": None}  # fmt: skip
-            await emit(event({**ident, "choices": [choice],
-                              "usage": usage(0) if continuous else None}))  # fmt: skip
+            opening = {**ident, "choices": [choice], "usage": usage(0) if continuous else None}
+            if prompt_ids is not None:
+                opening["prompt_token_ids"] = prompt_ids
+                prompt_ids = None
+            await emit(event(opening))
         text = ""
         for i in range(limit):
             if fault is not None and i == fault.after and "usage" not in fault.kind:
@@ -174,6 +189,11 @@ class GreedyConsumer:
                 piece["delta"] = {"content": char}
             else:
                 piece["text"] = char
+            if ids:
+                piece["token_ids"] = list(char.encode())
+            if prompt_ids is not None:
+                piece["prompt_token_ids"] = prompt_ids
+                prompt_ids = None
             await emit(event({**ident, "choices": [piece],
                               "usage": usage(i + 1) if continuous else None}))  # fmt: skip
         if fault is not None and fault.kind == "before_usage":

@@ -158,3 +158,16 @@ def test_proxy_view_describes_why_a_backend_is_not_routable() -> None:
     assert _describe({"in_flight": 2, "routable": True}) == "in_flight=2 routable"
     down = {"in_flight": 0, "routable": False, "healthy": False, "breaker": "open"}
     assert _describe(down) == "in_flight=0 NOT ROUTABLE (unhealthy, breaker open)"
+
+
+def test_data_parallel_ranks_of_reference_workers(tmp_path: Path) -> None:
+    """Each worker runs two ranks (their events on the ports + rank, runs of free ports); the
+    proxy routes per rank."""
+    plan = build_plan(StackOptions(data_parallel_size=2), tmp_path)
+    settings = ProxySettings.model_validate(plan.proxy_config)
+    for worker, backend in zip(plan.workers, settings.backends, strict=True):
+        argv = list(worker.argv)
+        assert argv[argv.index("--data-parallel-size") + 1] == "2"
+        assert backend.data_parallel_size == 2 and not backend.events_listen
+    with pytest.raises(ValueError):
+        build_plan(StackOptions(data_parallel_size=0), tmp_path)

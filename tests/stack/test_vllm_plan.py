@@ -117,3 +117,30 @@ def test_up_without_the_setup_says_what_to_run(
                     "--run-dir", str(tmp_path / "run")])  # fmt: skip
     assert code == 2
     assert "scripts/dev vllm-setup" in capsys.readouterr().out
+
+
+def test_data_parallel_ranks(tmp_path: Path) -> None:
+    """``--data-parallel-size 2``: vLLM's flag, its events on loopback TCP (vLLM 0.32 refuses
+    ``ipc://`` for rank 1) with the proxy listening (vLLM's PUB connects to a concrete address),
+    runs of ports for the ranks, and the backend routed per rank."""
+    paths = _installed(tmp_path)
+    ports = itertools.count(30000)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    options = StackOptions(producers=1, consumers=1, data_parallel_size=2)
+    plan = build_vllm_plan(options, paths, run_dir, lambda: next(ports))
+    settings = ProxySettings.model_validate(plan.proxy_config)
+    by_name = {b.name: b for b in settings.backends}
+    for worker in plan.workers:
+        argv = worker.argv
+        assert _flag(argv, "--data-parallel-size") == "2"
+        events = json.loads(_flag(argv, "--kv-events-config"))
+        assert events["endpoint"].startswith("tcp://127.0.0.1:")
+        assert events["replay_endpoint"].startswith("tcp://127.0.0.1:")
+        backend = by_name[worker.name]
+        assert backend.data_parallel_size == 2 and backend.events_listen
+        assert backend.events_endpoint == events["endpoint"]
+        assert backend.events_replay_endpoint == events["replay_endpoint"]
+    assert up_main(["--engine", "vllm", "--data-parallel-size", "2", "--connector", "kvtier",
+                    "--vllm-venv", str(paths.venv), "--vllm-model", str(paths.model_dir),
+                    "--run-dir", str(tmp_path / "k")]) != 0  # fmt: skip

@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +136,8 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
     agg = proxy_config(agg_backends, paths, host="127.0.0.1", port=0)
     # Predictions written at routing time expire fast, so the routing test sees events only.
     agg["router_options"]["prediction_ttl_s"] = 0.05
+    # A stream whose consumer dies moves to the other one (test_failover).
+    agg["failover"] = {"max_migrations": 1}
     env = {"PYTHONPATH": str(ROOT)}
     started = time.monotonic()
     with Supervisor(log_dir, stop_grace_s=15.0) as supervisor:
@@ -157,7 +159,10 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
         yield VllmStack(paths, instances, pd_url, agg_url, supervisor, log_dir)
     expired = _expired_reads(log_dir / "p0.log")
     if expired:
-        pytest.fail(f"d0 read KV blocks p0 had already released: {expired}")
+        pytest.fail(
+            f"d0 read KV blocks p0 had already released: {expired}\n"
+            + stack_log_tails(log_dir, ("pd-proxy", "d0", "p0"))
+        )
 
 
 def _first_pd_request(pd_url: str, supervisor: Supervisor) -> None:
@@ -202,15 +207,47 @@ def _expired_reads(producer_log: Path) -> list[str]:
     return [line[-200:] for line in lines if "Potentially invalid KV blocks" in line]
 
 
+LOG_TAIL_LINES = 60
+
+
+def stack_log_tails(log_dir: Path, names: tuple[str, ...], lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of each named process's log: a CI failure of this package
+    must carry what the engines and proxies were doing (a run on a fresh machine leaves no
+    files behind to read afterwards)."""
+    parts = []
+    for name in names:
+        path = log_dir / f"{name}.log"
+        if path.is_file():
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {name}.log (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test of the shared stack reports the stack's log tails beside its traceback."""
+    report = yield
+    stack = getattr(item, "funcargs", {}).get("vllm_stack")
+    if report.failed and isinstance(stack, VllmStack):
+        names = ("pd-proxy", "agg-proxy", "p0", "d0", "r0")
+        report.sections.append(("vLLM stack logs", stack_log_tails(stack.log_dir, names)))
+    return report
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that kill an instance run after every other test of the shared stack; the
-    package's tests keep their place in the session (the stack starts once)."""
+    """Tests that kill an instance run after every other test of the shared stack (the one
+    killing a consumer last: the producer's test needs both consumers); the package's tests
+    keep their place in the session (the stack starts once)."""
     here = Path(__file__).parent
     slots = [i for i, item in enumerate(items) if here in item.path.parents]
-    ours = sorted(
-        (items[i] for i in slots),
-        key=lambda item: "kills_producer" in getattr(item, "fixturenames", ()),
-    )
+
+    def kills(item: pytest.Item) -> tuple[bool, bool]:
+        names = getattr(item, "fixturenames", ())
+        return "kills_consumer" in names, "kills_producer" in names
+
+    ours = sorted((items[i] for i in slots), key=kills)
     for i, item in zip(slots, ours, strict=True):
         items[i] = item
 
@@ -218,6 +255,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def kills_producer(vllm_stack: VllmStack) -> VllmStack:
     """Marks a test that kills p0: it runs last (see ``pytest_collection_modifyitems``)."""
+    return vllm_stack
+
+
+@pytest.fixture
+def kills_consumer(vllm_stack: VllmStack) -> VllmStack:
+    """Marks a test that kills d0 or r0: it runs after every other (see
+    ``pytest_collection_modifyitems``)."""
     return vllm_stack
 
 

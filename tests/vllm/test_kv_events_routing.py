@@ -59,6 +59,8 @@ async def test_vllm_block_stored_events_as_the_codec_reads_them(vllm_stack: Vllm
         assert sub.stats.malformed == 0
         assert sub.stats.replayed > 0
     assert stored, f"no BlockStored for the prompt in {len(batches)} batches"
+    # vLLM stamps its rank on every batch, 0 without data parallelism (the reference worker too).
+    assert {b.data_parallel_rank for b in batches} == {0}
     first = stored[0]
     assert first.parent_block_hash is None
     assert first.block_size == VLLM_BLOCK_SIZE

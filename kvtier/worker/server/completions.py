@@ -87,12 +87,25 @@ class CompletionHandler:
                     "continue_final_message needs a final assistant message",
                     param="continue_final_message",
                 )
-        text = self.worker.tokenizer.apply_chat_template(
-            [(m.role, m.text()) for m in body.messages],
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-        )
-        ids = self.worker.tokenizer.encode(text)
+        reused = _reused_prompt_ids(body)
+        if isinstance(reused, str):
+            return error_response(400, reused, param="kv_transfer_params.prompt_token_ids")
+        vocab = self.worker.engine.backend.vocab_size
+        if reused is not None and any(not 0 <= t < vocab for t in reused):
+            return error_response(
+                400,
+                f"prompt token ids must be integers in [0, {vocab})",
+                param="kv_transfer_params.prompt_token_ids",
+            )
+        if reused is not None:
+            ids = reused
+        else:
+            text = self.worker.tokenizer.apply_chat_template(
+                [(m.role, m.text()) for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            )
+            ids = self.worker.tokenizer.encode(text)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             room = self.settings.max_model_len - len(ids)
@@ -211,3 +224,18 @@ class CompletionHandler:
             )
             return None
         return leg
+
+
+def _reused_prompt_ids(body: ChatCompletionRequest) -> list[int] | str | None:
+    """vLLM's decode-side token reuse: ``kv_transfer_params.prompt_token_ids`` replaces the
+    rendered ``messages`` (popped, so the KV leg never sees it). None: render; a str: why the
+    ids are malformed (vLLM answers 400 too)."""
+    params = body.kv_transfer_params
+    if not isinstance(params, dict) or "prompt_token_ids" not in params:
+        return None
+    ids = params.pop("prompt_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or any(type(t) is not int for t in ids):
+        return "kv_transfer_params.prompt_token_ids must be a non-empty list of token ids"
+    return ids

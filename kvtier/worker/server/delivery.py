@@ -94,8 +94,12 @@ async def stream(
 ) -> AsyncIterator[bytes]:
     """The answer as SSE chunks, ``[DONE]`` last; an engine error or abort ends it early."""
     engine = worker.engine
+    # vLLM sends the prompt's ids once (return_token_ids): chat on its role chunk, completions
+    # in the first choice; a migrating stream's continuation starts from them.
+    prompt_ids: list[int] | None = list(req.prompt_ids) if shape.return_token_ids else None
     if shape.chat:
-        yield sse(shape.chunk(None, role=True))
+        yield sse(shape.chunk(None, role=True, prompt_token_ids=prompt_ids))
+        prompt_ids = None
     final: StepOutput | None = None
     count = 0
     async for out in engine.stream(req):
@@ -120,7 +124,8 @@ async def stream(
                 "completion_tokens": count,
                 "total_tokens": len(req.prompt_ids) + count,
             }
-        yield sse(shape.chunk(out, usage_body=live))
+        yield sse(shape.chunk(out, usage_body=live, prompt_token_ids=prompt_ids))
+        prompt_ids = None
     if (
         final is not None
         and include_usage

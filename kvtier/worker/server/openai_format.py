@@ -93,8 +93,10 @@ class ResponseShape:
         *,
         role: bool = False,
         usage_body: dict[str, Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """A stream chunk: the assistant role (chat), a delta, or (``out`` None) usage only."""
+        """A stream chunk: the assistant role (chat), a delta, or (``out`` None) usage only.
+        ``prompt_token_ids`` where vLLM puts them: chat at the top, completions in the choice."""
         choices: list[dict[str, Any]] = []
         if out is not None or role:
             choice: dict[str, Any] = {"index": 0, "logprobs": None}
@@ -111,8 +113,10 @@ class ResponseShape:
                 choice["stop_reason"] = out.stop_reason
             if self.return_token_ids and out is not None:
                 choice["token_ids"] = list(out.token_ids)
+            if prompt_token_ids is not None and not self.chat:
+                choice["prompt_token_ids"] = prompt_token_ids
             choices.append(choice)
-        return {
+        body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
@@ -120,3 +124,6 @@ class ResponseShape:
             "choices": choices,
             "usage": usage_body,
         }
+        if prompt_token_ids is not None and self.chat:
+            body["prompt_token_ids"] = prompt_token_ids
+        return body

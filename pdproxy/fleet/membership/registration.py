@@ -39,6 +39,10 @@ Threat model (who may connect, what they can make the proxy do):
   string, list and map (:func:`kvtier.announce.decode`).
 - Registered backends receive client prompts and ``api_key``: only admit keys of workers you
   would list in the config.
+- *Stock vLLM without CURVE* (``trusted_fabric``, off by default): a second socket admits
+  connections by source network instead of by key; its own threat model is in
+  :mod:`~pdproxy.fleet.membership.fabric`. Its messages go through :meth:`accept` like the
+  others, owned by their source address.
 
 Attacker tests: ``tests/pdproxy/fleet/membership/test_registration_attacker.py``.
 """
@@ -52,7 +56,6 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -60,10 +63,12 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvtier.announce import Announcement, decode
 from kvtier.errors import AnnouncementError
-from kvtier.events.curve import ClientGate, load_server, make_server
+from kvtier.events.curve import ZapHandler, load_server, make_server
 from pdproxy.fleet.membership.errors import AnnouncementRefused, MemberConflict, MemberRemoved
+from pdproxy.fleet.membership.fabric import address_gate, fabric_owner, fabric_socket
 from pdproxy.fleet.membership.keys import AdmittedKeys, KeyChange, key_gate
 from pdproxy.fleet.membership.members import Membership
+from pdproxy.fleet.membership.rates import TokenBucket
 from pdproxy.settings import BackendConfig, Dialect
 from pdproxy.settings.backends import Role
 from pdproxy.settings.membership import RegistrationSettings
@@ -83,23 +88,6 @@ def key_id(client_key: str) -> str:
     return hashlib.blake2s(client_key.encode(), digest_size=6).hexdigest()
 
 
-@dataclass(slots=True)
-class _Bucket:
-    """A token bucket: ``rate`` tokens a second, at most ``rate`` (one second of burst)."""
-
-    rate: float
-    tokens: float
-    at: float
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(max(self.rate, 1.0), self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens < 1.0:
-            return False
-        self.tokens -= 1.0
-        return True
-
-
 class RegistrationListener:
     def __init__(
         self,
@@ -114,15 +102,21 @@ class RegistrationListener:
         self._clock = clock
         self._networks = [ipaddress.ip_network(n, strict=False) for n in settings.allowed_networks]
         now = clock()
-        self._all = _Bucket(settings.max_messages_per_s, settings.max_messages_per_s, now)
-        self._per_key: dict[str, _Bucket] = {}
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._gate: ClientGate | None = None
+        self._all = TokenBucket(settings.max_messages_per_s, settings.max_messages_per_s, now)
+        self._fabric_networks = [
+            ipaddress.ip_network(n, strict=False) for n in settings.trusted_fabric.networks
+        ]
+        self._per_key: dict[str, TokenBucket] = {}
+        self._sockets: list[tuple[zmq.asyncio.Context, ZapHandler, zmq.asyncio.Socket]] = []
+        """Per bound socket: its own context (one ZAP handler per context) and handler."""
+        self._gate: ZapHandler | None = None
+        self._fabric_gate: ZapHandler | None = None
         self._keys: AdmittedKeys | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.endpoint: str | None = None
-        """The bound endpoint (the port filled in when the setting's was 0)."""
+        """The bound CURVE endpoint (the port filled in when the setting's was 0)."""
+        self.fabric_endpoint: str | None = None
+        """The bound trusted-fabric endpoint (None: not configured)."""
         self.messages = Counter(
             "pdproxy_registration_messages",
             "Registration messages by outcome (joined, refreshed, left, malformed, address, "
@@ -136,59 +130,105 @@ class RegistrationListener:
         """CURVE handshakes the gate refused (unknown client keys)."""
         return self._gate.refused if self._gate is not None else 0
 
+    @property
+    def refused_fabric_peers(self) -> int:
+        """Trusted-fabric connections refused (source address outside its networks)."""
+        return self._fabric_gate.refused if self._fabric_gate is not None else 0
+
     async def start(self) -> None:
         s = self._settings
-        if s.endpoint is None or self._sock is not None:
+        if not s.listens or self._tasks:
             return
+        loop = asyncio.get_running_loop()
+        try:
+            if s.endpoint is not None:
+                sock = self._open_curve(s.endpoint)
+                self._tasks += [
+                    loop.create_task(
+                        self._receive(sock, trusted=False), name="pdproxy-registration"
+                    ),
+                    loop.create_task(self._watch_keys(), name="pdproxy-registration-keys"),
+                ]
+                log.info("registration: listening on %s (CURVE)", self.endpoint)
+            if s.trusted_fabric.endpoint is not None:
+                sock = self._open_fabric(s.trusted_fabric.endpoint)
+                receive = self._receive(sock, trusted=True)
+                self._tasks.append(loop.create_task(receive, name="pdproxy-registration-fabric"))
+                log.warning(
+                    "registration: listening on %s WITHOUT authentication for sources in %s "
+                    "(trusted fabric only)",
+                    self.fabric_endpoint, ", ".join(s.trusted_fabric.networks),
+                )  # fmt: skip
+            self._tasks.append(loop.create_task(self._expire(), name="pdproxy-registration-expiry"))
+        except BaseException:
+            await self.close()
+            raise
+
+    def _open_curve(self, endpoint: str) -> zmq.asyncio.Socket:
+        s = self._settings
         assert s.curve_secret_key_file is not None and s.curve_clients_dir is not None
         keys = load_server(s.curve_secret_key_file, s.curve_clients_dir)
         self._keys = AdmittedKeys(s.curve_clients_dir)
-        self._ctx = zmq.asyncio.Context()
-        self._gate = key_gate(self._ctx, self._keys)
-        self._gate.start()
-        sock = self._sock = self._ctx.socket(zmq.DEALER)  # not ROUTER: peers choose no id here
+        ctx = zmq.asyncio.Context()  # its own: the ZAP handler is per context
+        self._gate = key_gate(ctx, self._keys)
+        sock = self._bind(ctx, self._gate, endpoint, lambda sock: make_server(sock, keys))
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return sock
+
+    def _open_fabric(self, endpoint: str) -> zmq.asyncio.Socket:
+        ctx = zmq.asyncio.Context()
+        self._fabric_gate = address_gate(ctx, self._fabric_networks)
+        sock = self._bind(ctx, self._fabric_gate, endpoint, fabric_socket)
+        self.fabric_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return sock
+
+    def _bind(
+        self,
+        ctx: zmq.asyncio.Context,
+        gate: ZapHandler,
+        endpoint: str,
+        secure: Callable[[zmq.asyncio.Socket], None],
+    ) -> zmq.asyncio.Socket:
+        """A DEALER (not ROUTER: peers choose no id here) with the listener's limits,
+        ``secure`` applied and ``gate`` serving before it binds, so no peer is ever admitted
+        without it; :meth:`close` releases all three."""
+        s = self._settings
+        sock = ctx.socket(zmq.DEALER)
+        self._sockets.append((ctx, gate, sock))
+        gate.start()
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, s.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(s.handshake_timeout_s * 1000))
-        make_server(sock, keys)
-        sock.bind(s.endpoint)
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._receive(sock), name="pdproxy-registration"),
-            loop.create_task(self._expire(), name="pdproxy-registration-expiry"),
-            loop.create_task(self._watch_keys(), name="pdproxy-registration-keys"),
-        ]
-        log.info("registration: listening on %s (CURVE)", self.endpoint)
+        secure(sock)
+        sock.bind(endpoint)
+        return sock
 
     async def close(self) -> None:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._gate is not None:
-            await self._gate.stop()
-            self._gate = None
+        sockets, self._sockets = self._sockets, []
+        for ctx, gate, sock in sockets:
+            await gate.stop()
+            sock.close(linger=0)
+            ctx.term()
+        self._gate = self._fabric_gate = None
         self._keys = None
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+    async def _receive(self, sock: zmq.asyncio.Socket, *, trusted: bool) -> None:
+        """``trusted``: the fabric socket, whose senders are their source addresses."""
         while True:
             frames = await sock.recv_multipart(copy=False)
             if len(frames) != 1:  # one message frame, as vLLM's DEALER sends
                 self.messages.labels("frames").inc()
                 continue
             last = frames[-1]
+            peer = str(last.get("Peer-Address"))
             try:
-                outcome = self.accept(
-                    last.bytes, str(last.get("User-Id")), str(last.get("Peer-Address"))
-                )
+                key = None if trusted else str(last.get("User-Id"))
+                outcome = self.accept(last.bytes, key, peer)
             except Exception:
                 log.exception("registration: message handling failed")
                 outcome = "error"
@@ -226,29 +266,35 @@ class RegistrationListener:
             self._membership.readmit_owner(SOURCE, key_id(key))
         return change
 
-    def accept(self, payload: bytes, client_key: str, peer: str) -> str:
-        """Act on one authenticated message; the outcome label. ``client_key`` is the sender's
-        CURVE public key (z85), ``peer`` its connection's source address."""
-        if self._keys is not None and client_key not in self._keys.allowed:
+    def accept(self, payload: bytes, client_key: str | None, peer: str) -> str:
+        """Act on one admitted message; the outcome label. ``client_key`` is the sender's
+        CURVE public key (z85), or None for the trusted-fabric socket (whose sender is its
+        source address); ``peer`` is its connection's source address. Event loop only."""
+        if (
+            client_key is not None
+            and self._keys is not None
+            and client_key not in self._keys.allowed
+        ):
             return "revoked"  # a connection made before its key was revoked
+        owner = key_id(client_key) if client_key is not None else fabric_owner(peer)
         now = self._clock()
-        bucket = self._per_key.get(client_key)
+        bucket_key = client_key if client_key is not None else owner
+        bucket = self._per_key.get(bucket_key)
         if bucket is None:
             rate = self._settings.max_messages_per_key_s
-            bucket = self._per_key[client_key] = _Bucket(rate, rate, now)
+            bucket = self._per_key[bucket_key] = TokenBucket(rate, rate, now)
         if not self._all.take(now) or not bucket.take(now):
             return "rate"
         try:
             announcement = decode(payload)
             self._check_addresses(announcement, peer)
         except AnnouncementError as exc:
-            log.debug("registration: malformed announcement from %s: %s", key_id(client_key), exc)
+            log.debug("registration: malformed announcement from %s: %s", owner, exc)
             return "malformed"
         except AnnouncementRefused as exc:
-            log.warning("registration: refused %s: %s", key_id(client_key), exc)
+            log.warning("registration: refused %s: %s", owner, exc)
             return exc.reason
         config = self.backend_config(announcement)
-        owner = key_id(client_key)
         if config.name.startswith(GENERATED_PREFIX) and config.name != _generated_name(
             announcement.http_address
         ):

@@ -26,7 +26,7 @@ class MembershipService:
         metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self._clock = clock
-        self._enabled = bool(settings.dns.groups) or settings.registration.endpoint is not None
+        self._enabled = bool(settings.dns.groups) or settings.registration.listens
         self.membership = Membership(
             registry, settings, clock=clock, metrics=MembershipMetrics(metrics_registry)
         )

@@ -52,6 +52,11 @@ class EventSource(Protocol):
         """Preferred to ``KvRouterSettings.replay`` for this backend."""
         ...
 
+    @property
+    def events_listen(self) -> bool:
+        """Bind ``events_endpoint`` for the engine to connect (``BackendConfig.events_listen``)."""
+        ...
+
 
 class BackendSource(Protocol):
     def all(self) -> Sequence[EventSource]: ...
@@ -65,18 +70,26 @@ class EventEndpoints:
     url: str
     events_endpoint: str | None
     events_replay_endpoint: str | None
+    events_listen: bool = False
+    """The proxy binds ``events_endpoint`` and the engine connects (``events_listen``)."""
 
 
 def event_endpoints(backends: Iterable[Backend], *, ranks: bool) -> list[EventEndpoints]:
     if not ranks:
         return [
-            EventEndpoints(b.name, b.url, b.config.events_endpoint, b.config.events_replay_endpoint)
+            EventEndpoints(
+                b.name,
+                b.url,
+                b.config.events_endpoint,
+                b.config.events_replay_endpoint,
+                b.config.events_listen,
+            )
             for b in backends
         ]
     from pdproxy.fleet.dp_ranks import rank_streams
 
     return [
-        EventEndpoints(node, b.url, endpoint, replay)
+        EventEndpoints(node, b.url, endpoint, replay, b.config.events_listen)
         for b in backends
         for node, endpoint, replay in rank_streams(
             b.name, b.data_parallel_size, b.config.events_endpoint, b.config.events_replay_endpoint
@@ -223,24 +236,25 @@ async def _follow_backends(router: KvRouter, backends: BackendSource, interval_s
     configured = router.settings.events
     replay = router.settings.replay
     # start() subscribed these:
-    current = {name: (ep, replay.get(name)) for name, ep in configured.items()}
+    current = {name: (ep, replay.get(name), False) for name, ep in configured.items()}
     while True:
-        wanted = {name: (ep, replay.get(name)) for name, ep in configured.items()}
+        wanted = {name: (ep, replay.get(name), False) for name, ep in configured.items()}
         for b in backends.all():
             endpoint = b.events_endpoint or configured.get(b.name)
             if endpoint:
-                wanted[b.name] = (endpoint, b.events_replay_endpoint or replay.get(b.name))
+                listen = b.events_listen and endpoint == b.events_endpoint
+                wanted[b.name] = (endpoint, b.events_replay_endpoint or replay.get(b.name), listen)
         for name in sorted(set(current) - set(wanted)):
             await router.feeds.unsubscribe(name)
             del current[name]
-        for name, (endpoint, replay_endpoint) in sorted(wanted.items()):
-            if current.get(name) != (endpoint, replay_endpoint):
+        for name, (endpoint, replay_endpoint, listen) in sorted(wanted.items()):
+            if current.get(name) != (endpoint, replay_endpoint, listen):
                 try:
-                    await router.feeds.subscribe(name, endpoint, replay_endpoint)
+                    await router.feeds.subscribe(name, endpoint, replay_endpoint, listen=listen)
                 except Exception:
                     logger.exception("KV events: cannot follow %s at %s", name, endpoint)
                     continue
-                current[name] = (endpoint, replay_endpoint)
+                current[name] = (endpoint, replay_endpoint, listen)
                 logger.info(
                     "KV events: following %s at %s (replay %s)",
                     name, endpoint, replay_endpoint or "none",

@@ -221,6 +221,7 @@ def pick(scoring: Scoring, settings: KvRouterSettings) -> Plan:
         ),
         consumer_scores=tuple(c_ranked),
         producer_scores=tuple(p_ranked),
+        predicted_producer_cached_tokens=_cached_tokens(p_held, shape),
     )
 
 

@@ -85,7 +85,7 @@ class EventFeeds:
         self._on_apply_error = on_apply_error
         self._replay_timeout_s = replay_timeout_s
         self._subs: dict[NodeId, EventSubscriber] = {}
-        self._endpoints: dict[NodeId, tuple[str, str | None]] = {}
+        self._endpoints: dict[NodeId, tuple[str, str | None, bool]] = {}
         self._failing: set[NodeId] = set()
         self.leases = leases
         self._lease_task: asyncio.Task[None] | None = None
@@ -105,8 +105,8 @@ class EventFeeds:
                 start_seq = await leases.take(node, streams)
                 if start_seq is not None and node in self._endpoints:
                     # Taken over: follow from what the last writer applied.
-                    endpoint, replay = self._endpoints[node]
-                    await self._start_sub(node, endpoint, replay, start_seq)
+                    endpoint, replay, listen = self._endpoints[node]
+                    await self._start_sub(node, endpoint, replay, start_seq, listen)
             await leases.balance(streams)
 
     @property
@@ -116,8 +116,11 @@ class EventFeeds:
     def subscriber(self, node: str) -> EventSubscriber | None:
         return self._subs.get(NodeId(node))
 
-    async def subscribe(self, node: str, endpoint: str, replay_endpoint: str | None) -> None:
-        """Follow ``node``'s events (replacing an earlier subscription of the same node)."""
+    async def subscribe(
+        self, node: str, endpoint: str, replay_endpoint: str | None, *, listen: bool = False
+    ) -> None:
+        """Follow ``node``'s events (replacing an earlier subscription of the same node);
+        ``listen``: bind ``endpoint`` for the engine to connect (``events_listen``)."""
         nid = NodeId(node)
         await self.unsubscribe(node)
         if self._keys is not None and self._keys.for_node(node) is None:
@@ -125,14 +128,19 @@ class EventFeeds:
                 "KV events for %s not followed: events_curve names no server key for it", node
             )
             return
-        self._endpoints[nid] = (endpoint, replay_endpoint)
+        self._endpoints[nid] = (endpoint, replay_endpoint, listen)
         start_seq = 0
         if self.leases is not None:
             start_seq = await self.leases.take(nid) or 0
-        await self._start_sub(nid, endpoint, replay_endpoint, start_seq)
+        await self._start_sub(nid, endpoint, replay_endpoint, start_seq, listen)
 
     async def _start_sub(
-        self, nid: NodeId, endpoint: str, replay_endpoint: str | None, start_seq: int
+        self,
+        nid: NodeId,
+        endpoint: str,
+        replay_endpoint: str | None,
+        start_seq: int,
+        listen: bool = False,
     ) -> None:
         old = self._subs.pop(nid, None)
         if old is not None:
@@ -181,6 +189,7 @@ class EventFeeds:
             name=f"{nid}@{endpoint}",
             curve=self._keys.for_node(nid) if self._keys is not None else None,
             start_seq=start_seq,
+            bind=listen,
             on_gap=on_gap,
             max_message_bytes=self._max_message_bytes,
         )

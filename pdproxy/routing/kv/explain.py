@@ -61,6 +61,9 @@ def decision_of(
         explain["ttft"] = plan.ttft.explain()
     if isinstance(hashed, HashedPrompt):
         explain.update(prompt_tokens=hashed.tokens, blocks=len(hashed.hashes))
+        explain["predicted_cached_tokens"] = plan.predicted_cached_tokens
+        if plan.predicted_producer_cached_tokens is not None:
+            explain["predicted_producer_cached_tokens"] = plan.predicted_producer_cached_tokens
     else:
         explain["unhashable"] = hashed
     if plan.pull is not None:
@@ -73,6 +76,9 @@ def decision_of(
         reason=plan.reason,
         explain=explain,
         predicted_cached_tokens=None if load_only else plan.predicted_cached_tokens,
+        predicted_producer_cached_tokens=None
+        if load_only
+        else plan.predicted_producer_cached_tokens,
         prompt_tokens=hashed.tokens if isinstance(hashed, HashedPrompt) else None,
         route_time_s=route_s,
         pull=plan.pull.source if plan.pull is not None else None,

@@ -150,6 +150,8 @@ class Plan:
     producer_scores: tuple[Score, ...]
     pull: PullChoice | None = None
     """The node that prefills pulls the prefix from a holder (:mod:`~.scorers.pull`)."""
+    predicted_producer_cached_tokens: int | None = None
+    """What the first producer holds of the prompt, in tokens (None: no producer leg)."""
     ttft: Choice | None = None
     """The predicted-TTFT choice that ranked this plan, or shed its request
     (:mod:`~.scorers.ttft`); None: predictions were cold or off, the cost model decided."""

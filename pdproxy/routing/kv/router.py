@@ -331,6 +331,16 @@ class KvRouter:
                     logger.exception("kv router: scorer %s failed in finished()", scorer.name)
             release = tuple(d.negated() for d in ticket.deltas)
             await self.state.release(release, ticket.recorded)
-            observe_drift(self.metrics, decision, outcome, ticket.mode)
+            block_size = self.settings.block_size
+            checks = observe_drift(self.metrics, decision, outcome, ticket.mode, block_size)
+            for check in checks:
+                if check.result(block_size) == "off":
+                    # A persistent miss means the router's view of that engine is wrong
+                    # (hashing, tokenizer, or events it never got): worth a line per request.
+                    logger.info(
+                        "route %s: %s %s predicted %d cached tokens, engine reported %d",
+                        decision.request_id, check.leg, check.node, check.predicted,
+                        check.reported,
+                    )  # fmt: skip
         except Exception:  # finished must never raise into the request path
             logger.exception("kv router: finished() failed for a decision")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -70,6 +71,14 @@ class KvRouterMetrics:
             "a persistent offset means hash or tokenizer drift",
             ["mode"],
             buckets=_DRIFT_BUCKETS,
+            registry=r,
+        )
+        self.prediction_checks = Counter(
+            "pdproxy_kv_router_prediction_checks",
+            "Requests whose predicted cached tokens were compared with the engine's report, by "
+            "leg (consumer, producer) and result: exact, block (off by less than one block), "
+            "off (one block or more); accuracy = (exact + block) / all",
+            ["leg", "result"],
             registry=r,
         )
         self.offloaded_hashes = Counter(
@@ -147,13 +156,72 @@ class _FeedCollector(Collector):
         yield from (disconnects, replay_timeouts, evicted)
 
 
-def observe_drift(
-    metrics: KvRouterMetrics, decision: RouteDecision[Any], outcome: RequestOutcome, mode: str
-) -> None:
-    """Engine-reported cached tokens minus the prediction, for the consumer the router chose."""
+@dataclass(frozen=True, slots=True)
+class PredictionCheck:
+    """One leg of one request: what the router predicted its engine would find cached, and
+    what the engine reported (``usage.prompt_tokens_details.cached_tokens``)."""
+
+    leg: str
+    """``consumer`` or ``producer``."""
+    node: str
+    predicted: int
+    reported: int
+
+    @property
+    def drift(self) -> int:
+        return self.reported - self.predicted
+
+    def result(self, block_size: int) -> str:
+        if self.drift == 0:
+            return "exact"
+        return "block" if abs(self.drift) < block_size else "off"
+
+
+def prediction_checks(
+    decision: RouteDecision[Any], outcome: RequestOutcome
+) -> list[PredictionCheck]:
+    """The request's legs whose prediction can be checked: the engine reported its cached
+    tokens and served the request on the node the prediction was about (a retry or failover
+    target was not predicted)."""
+    if not outcome.ok:
+        return []
+    checks = []
+    consumer = decision.consumers[0].name if decision.consumers else None
     predicted = decision.predicted_cached_tokens
-    if outcome.cached_tokens is None or predicted is None or not outcome.ok:
-        return
-    if not decision.consumers or outcome.consumer != decision.consumers[0].name:
-        return  # a failover target: the prediction was about another node
-    metrics.cached_tokens_drift.labels(mode).observe(outcome.cached_tokens - predicted)
+    reported = outcome.cached_tokens
+    if (
+        predicted is not None
+        and reported is not None
+        and consumer is not None
+        and outcome.consumer == consumer
+    ):
+        checks.append(PredictionCheck("consumer", consumer, predicted, reported))
+    producer = decision.producers[0].name if decision.producers else None
+    predicted = decision.predicted_producer_cached_tokens
+    reported = outcome.producer_cached_tokens
+    if (
+        predicted is not None
+        and reported is not None
+        and producer is not None
+        and outcome.producer == producer
+    ):
+        checks.append(PredictionCheck("producer", producer, predicted, reported))
+    return checks
+
+
+def observe_drift(
+    metrics: KvRouterMetrics,
+    decision: RouteDecision[Any],
+    outcome: RequestOutcome,
+    mode: str,
+    block_size: int,
+) -> list[PredictionCheck]:
+    """Engine-reported cached tokens minus the prediction, per leg: the consumer's under
+    ``mode`` (``pd``/``alone``), the producer's under ``producer``; each counted by how close
+    it came. Returns the checks (the router logs them)."""
+    checks = prediction_checks(decision, outcome)
+    for check in checks:
+        label = mode if check.leg == "consumer" else "producer"
+        metrics.cached_tokens_drift.labels(label).observe(check.drift)
+        metrics.prediction_checks.labels(check.leg, check.result(block_size)).inc()
+    return checks

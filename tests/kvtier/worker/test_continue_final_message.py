@@ -70,3 +70,44 @@ def test_the_proxys_byte_encoder_renders_as_the_worker(flags: dict[str, bool]) -
         continue_final_message=flags.get("continue_final_message", False),
     )
     assert ByteEncoder().encode(prompt) == worker.encode(rendered)  # type: ignore[arg-type]
+
+
+async def test_a_stream_gives_its_prompt_ids_once_and_chat_reuses_them() -> None:
+    """vLLM 0.32's shapes: with ``return_token_ids`` a stream carries the prompt's ids once
+    (chat: the role chunk's top level; completions: the first choice) and each token's ids;
+    chat's ``kv_transfer_params.prompt_token_ids`` replaces the rendered messages. A failover
+    continuation from those ids is the rest of the uninterrupted answer."""
+    import orjson
+
+    async def events(w: object, path: str, body: dict[str, object]) -> list[dict[str, object]]:
+        resp = await w.client.post(path, json={**body, "stream": True})  # type: ignore[attr-defined]
+        assert resp.status_code == 200, resp.text
+        return [
+            orjson.loads(line[6:]) for line in resp.text.split("\n\n") if line.startswith("data: {")
+        ]
+
+    async with running_worker(small_settings(model="sim")) as w:
+        body = {"messages": MESSAGES, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        chat = await events(w, "/v1/chat/completions", body)
+        prompt = chat[0]["prompt_token_ids"]
+        assert isinstance(prompt, list) and prompt
+        assert sum("prompt_token_ids" in e for e in chat) == 1
+        ids = [t for e in chat for c in e["choices"] for t in c.get("token_ids") or []]  # type: ignore[union-attr]
+        assert len(ids) == 10
+        text = "".join(c["delta"].get("content") or "" for e in chat for c in e["choices"])  # type: ignore[union-attr]
+        cont = {**body, "max_tokens": 6, "messages": [{"role": "user", "content": "ignored"}],
+                "kv_transfer_params": {"prompt_token_ids": [*prompt, *ids[:4]]}}  # fmt: skip
+        rest = await events(w, "/v1/chat/completions", cont)
+        rest_text = "".join(c["delta"].get("content") or "" for e in rest for c in e["choices"])  # type: ignore[union-attr]
+        assert text[: len(text) - len(rest_text)] + rest_text == text and len(rest_text) > 0
+        done = [t for e in rest for c in e["choices"] for t in c.get("token_ids") or []]  # type: ignore[union-attr]
+        assert ids[:4] + done == ids
+        completion = await events(
+            w, "/v1/completions", {"prompt": "abc", "max_tokens": 3, "return_token_ids": True}
+        )
+        firsts = [c.get("prompt_token_ids") for e in completion for c in e["choices"]]  # type: ignore[union-attr]
+        assert firsts[0] == list(b"abc") and not any(firsts[1:])
+        bad = {**cont, "kv_transfer_params": {"prompt_token_ids": ["x"]}}
+        resp = await w.client.post("/v1/chat/completions", json=bad)
+        assert resp.status_code == 400

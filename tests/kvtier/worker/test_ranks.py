@@ -44,13 +44,17 @@ def test_each_rank_is_its_own_engine_publishing_its_rank() -> None:
     assert a.events.publisher is not None and b.events.publisher is not None
     assert a.events.publisher._rank == 0 and b.events.publisher._rank == 1
     single = WorkerRanks.build(settings(events_endpoint="tcp://127.0.0.1:*"), None)
-    assert single.workers[0].data_parallel_rank is None  # DP=1: batches untagged, as before
+    # DP=1: tagged 0, as vLLM 0.32 tags every batch with its publisher's rank.
+    assert single.workers[0].data_parallel_rank == 0
 
 
 def test_the_header_picks_the_rank_and_bad_values_are_refused() -> None:
+    """vLLM 0.32's reading: ``int(value)``; out of range refused, not an integer ignored."""
     ranks = WorkerRanks.build(settings(data_parallel_size=3), None)
-    assert [ranks.pick(v) for v in ("0", "2", " 1 ")] == [0, 2, 1]
-    for bad in ("3", "-1", "", "one", "1e0", "²"):
+    assert [ranks.pick(v) for v in ("0", "2", " 1 ", "+1")] == [0, 2, 1, 1]
+    for bad in ("3", "-1"):
         with pytest.raises(InvalidRequest):
             ranks.pick(bad)
-    assert [ranks.pick(None) for _ in range(6)] == [0, 1, 2, 0, 1, 2]  # idle: round robin
+    ignored = ("", "one", "1e0", "²", "1" * 40)
+    assert [ranks.pick(v) for v in ignored] == [0, 1, 2, 0, 1]  # idle: round robin
+    assert [ranks.pick(None) for _ in range(3)] == [2, 0, 1]

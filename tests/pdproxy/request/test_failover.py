@@ -158,17 +158,73 @@ async def test_stream_migrates_and_equals_the_uninterrupted_answer(
     ]  # fmt: skip
     if route == "chat":
         assert sum(1 for e in events for c in e["choices"] if "role" in c["delta"]) == 1
-    # The continuation leg: prompt + the 4 tokens relayed, what remains of max_tokens.
+    # The continuation leg: the prompt's ids + the 4 tokens' ids relayed (as the first consumer
+    # sent them), what remains of max_tokens; the client never saw an id it did not ask for.
     cont = b.bodies[-1]
     assert cont["max_tokens"] == TOKENS - 4
+    prompt_text = render_chat(body) if route == "chat" else PROMPT
+    ids = list((prompt_text + _expected(route, body)[:4]).encode())
     if route == "chat":
+        assert cont["kv_transfer_params"] == {"prompt_token_ids": ids}
+        # The text form rides along for an engine that does not reuse ids.
         assert cont["messages"][-1] == {"role": "assistant", "content": _expected(route, body)[:4]}
         assert cont["continue_final_message"] is True
         assert cont["add_generation_prompt"] is False
     else:
-        assert cont["prompt"] == PROMPT + _expected(route, body)[:4]
+        assert cont["prompt"] == ids
+    assert "token_ids" not in str(events)
     assert _migrations(running, "migrated") == 1
     await _nothing_held(running, consumers)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_without_token_ids_the_stream_continues_from_text(
+    proxy: ProxyFactory, consumers: list[GreedyConsumer], route: str
+) -> None:
+    """``failover.token_ids: false`` (an engine that refuses ``return_token_ids``), or a chat
+    engine that ignores ``kv_transfer_params.prompt_token_ids``: the text form, still exact
+    with this byte-level model."""
+    a, b = consumers[0], consumers[1]
+    a.fault = Fault("reset", after=4)
+    backends = [{"name": c.name, "url": c.url, "role": "consumer"} for c in (a, b)]
+    settings = quick_settings(backends, failover={"max_migrations": 1, "token_ids": False})
+    running = await proxy(settings, router=InOrder())
+    body = _body(route)
+    events, done = await _stream(running, route, body)
+    assert (_text(events), done) == (_expected(route, body), 1)
+    cont = b.bodies[-1]
+    assert "return_token_ids" not in a.bodies[-1]
+    if route == "chat":
+        assert "kv_transfer_params" not in cont
+        assert cont["messages"][-1] == {"role": "assistant", "content": _expected(route, body)[:4]}
+    else:
+        assert cont["prompt"] == PROMPT + _expected(route, body)[:4]
+    b.reuses_prompt_ids = False
+    a.fault = Fault("reset", after=5)
+    on = await _proxy(proxy, [a, b])
+    events, done = await _stream(on, route, body)
+    assert (_text(events), done) == (_expected(route, body), 1)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_ids_the_client_asked_for_are_its_own_prompt_and_every_token(
+    proxy: ProxyFactory, consumers: list[GreedyConsumer], route: str
+) -> None:
+    a, b = consumers[0], consumers[1]
+    a.fault = Fault("mid_event", after=3)
+    running = await _proxy(proxy, [a, b])
+    body = _body(route, return_token_ids=True)
+    events, done = await _stream(running, route, body)
+    expected = _expected(route, body)
+    assert (_text(events), done) == (expected, 1)
+    ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+    assert ids == list(expected.encode())
+    prompt_text = render_chat(body) if route == "chat" else PROMPT
+    sent = [
+        p for e in events for p in (e.get("prompt_token_ids"),
+                                    *(c.get("prompt_token_ids") for c in e["choices"])) if p
+    ]  # fmt: skip
+    assert sent == [list(prompt_text.encode())]  # once, the client's prompt: not the continuation's
 
 
 @pytest.mark.parametrize("kind", ["before_usage", "mid_usage"])

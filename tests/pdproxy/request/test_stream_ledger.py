@@ -11,15 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdproxy.request.continuation import (
+from pdproxy.request.continuation import continuation_body, first_leg, migration_refusal
+from pdproxy.request.stream_ledger import (
     MAX_EVENT_BYTES,
     ChunkShaper,
     EventSplitter,
     StreamLedger,
     StreamNotFollowable,
-    continuation_body,
-    first_leg,
-    migration_refusal,
 )
 
 EVENTS = [b'data: {"a":%d}\n\n' % i for i in range(20)] + [b": ping\n\n", b"data: [DONE]\n\n"]

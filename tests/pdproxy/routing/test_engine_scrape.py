@@ -190,6 +190,7 @@ class RegisteredBackend:
     url: str
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
+    events_listen: bool = False
 
 
 class Registry:

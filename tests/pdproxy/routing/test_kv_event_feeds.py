@@ -25,6 +25,7 @@ class RegisteredBackend:
     url: str
     events_endpoint: str | None
     events_replay_endpoint: str | None = None
+    events_listen: bool = False
 
 
 class Registry:
@@ -152,3 +153,45 @@ async def test_replay_catches_up_and_lost_events_forget_the_node() -> None:
             assert sub is not None and sub.stats.resets == 1
         finally:
             await router.close()
+
+
+async def test_a_listening_backend_is_connected_to_by_its_engine() -> None:
+    """``events_listen``: the proxy binds the (loopback) endpoint and the engine's PUB socket
+    connects to it, rank by rank, as vLLM's does for a concrete address (a DP vLLM can publish
+    privately only so). The engine side is a raw ZMQ PUB, like vLLM's."""
+    import zmq
+    import zmq.asyncio
+
+    from kvtier.events.codec import encode_batch
+    from kvtier.events.publisher import seq_frame
+    from tests.conftest import free_port
+
+    prefix = prompt_text(3)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    registry = Registry()
+    registry.backends.append(
+        RegisteredBackend("c0", "http://127.0.0.1:9", endpoint, None, events_listen=True)
+    )
+    settings = KvRouterSettings(model_seed=SEED, block_size=BS)
+    router = build_kv_router(
+        settings, backends=registry, metrics_registry=CollectorRegistry(), feed_sync_interval_s=0.05
+    )
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    await router.start()
+    try:
+        await eventually(lambda: _subscribed(router, "c0"))
+        pub.connect(endpoint)  # the engine connects: nothing listens on its side
+        seq = 0
+
+        async def has() -> bool:
+            nonlocal seq
+            await pub.send_multipart((b"", seq_frame(seq), encode_batch(stored(prefix))))
+            seq += 1
+            return await _has(router, "c0", prefix)
+
+        await eventually(has)
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+        await router.close()

@@ -347,3 +347,40 @@ async def test_decision_ranks_the_objects_it_was_given(router: KvRouter) -> None
     d = await router.route(text_request(prompt_text(10)), producers, consumers)
     assert all(any(b is p for p in producers) for b in d.producers)
     assert all(any(b is c for c in consumers) for b in d.consumers)
+
+
+async def test_predictions_of_both_legs_are_checked_against_the_engines(
+    router: KvRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The producer's prediction (what it holds) beside its answer's cached_tokens, and the
+    consumer's; each counted exact / within a block / off; an off one logged."""
+    producers, consumers = pool(2, 1)
+    prefix = prompt_text(10, length=1024)
+    await router.state.index.apply(NodeId("p1"), stored(prefix))
+    d = await router.route(text_request(prefix + "x" * 600), producers, consumers)
+    assert d.producers[0].name == "p1"
+    # The consumer gets every full block over KV transfer (pd_cached_tokens: transferred).
+    assert (d.predicted_producer_cached_tokens, d.predicted_cached_tokens) == (1024, 1616)
+    assert d.explain["predicted_producer_cached_tokens"] == 1024
+    with caplog.at_level(logging.INFO, logger="pdproxy.routing.kv.router"):
+        await router.finished(
+            d,
+            RequestOutcome(
+                "p1", "c0", ok=True, cached_tokens=1616 - BS // 2, producer_cached_tokens=1024
+            ),
+        )
+    checks = "pdproxy_kv_router_prediction_checks_total"
+    assert sample(router, checks, {"leg": "producer", "result": "exact"}) == 1
+    assert sample(router, checks, {"leg": "consumer", "result": "block"}) == 1
+    assert sample(router, "pdproxy_kv_router_cached_tokens_drift_count", {"mode": "producer"}) == 1
+    assert not [r for r in caplog.records if "engine reported" in r.getMessage()]
+    # A retry's producer was not predicted: nothing is checked for it; an off consumer is logged.
+    d = await router.route(text_request(prefix + "y" * 600), producers, consumers)
+    with caplog.at_level(logging.INFO, logger="pdproxy.routing.kv.router"):
+        await router.finished(
+            d, RequestOutcome("p0", "c0", ok=True, cached_tokens=1024, producer_cached_tokens=0)
+        )
+    assert sample(router, checks, {"leg": "producer", "result": "off"}) in (None, 0)
+    assert sample(router, checks, {"leg": "consumer", "result": "off"}) == 1
+    line = next(r.getMessage() for r in caplog.records if "engine reported" in r.getMessage())
+    assert "consumer c0 predicted" in line and "reported 1024" in line

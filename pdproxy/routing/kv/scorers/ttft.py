@@ -93,12 +93,17 @@ class TtftView(View):
         held = dict(cons).get(way.consumer, 0)
         cached = held if way.alone or self.consumer_local else prompt.blocks
         cacheable = max(prompt.tokens - 1, 0) // self.block_size * self.block_size
+        producer_cached = None
+        if way.producer is not None:
+            p_held = dict(prods).get(way.producer, 0)
+            producer_cached = min(p_held * self.block_size, cacheable)
         return dataclasses.replace(
             plan,
             consumers=consumers,
             producers=producers,
             reason="ttft-alone" if way.alone else "ttft",
             predicted_cached_tokens=min(cached * self.block_size, cacheable),
+            predicted_producer_cached_tokens=producer_cached,
             ttft=choice,
         )
 

@@ -1,0 +1,168 @@
+"""A consumer vLLM killed mid-stream: the stream goes on on the other consumer, and the client's
+text and token ids equal the uninterrupted greedy answer.
+
+The ``agg`` proxy (d0 and r0 as one pool) may migrate a stream once (``failover``). Two streams
+run at once, a chat and a completion with a *text* prompt (the two cases a text continuation
+could not make exact under BPE: the continuation resumes from the token ids vLLM sent,
+``return_token_ids``); the consumer serving the chat is killed once both have delivered
+tokens. Runs last in this package (the ``kills_consumer`` fixture): that consumer stays dead.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.vllm.conftest import MODEL, VllmStack
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+TOKENS = 120
+"""Long enough that neither stream ends before the kill lands (a few tokens in)."""
+KILL_AFTER = 12
+_WORDS = [
+    "the", "fox", "river", "stone", "cloud", "lantern", "copper", "meadow", "violet", "harbor",
+    "engine", "silent", "orbit", "quartz", "whisper", "garden", "signal", "marble", "thunder",
+    "candle", "ember", "willow", "canyon", "falcon",
+]  # fmt: skip
+
+
+def _text(seed: int, words: int) -> str:
+    import random
+
+    rng = random.Random(f"failover/{seed}")
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+CHAT: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": _text(1, 160)}],
+    "max_tokens": TOKENS,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+}
+COMPLETION: dict[str, Any] = {
+    "model": MODEL,
+    "prompt": _text(2, 160),
+    "max_tokens": TOKENS,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+}
+
+
+def _reference(url: str, path: str, body: dict[str, Any]) -> tuple[str, list[int]]:
+    """The uninterrupted greedy answer, not streamed, from one vLLM."""
+    resp = httpx.post(url + path, json=body, timeout=600)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return text, choice["token_ids"]
+
+
+class _Stream:
+    """One streamed answer read on a thread: text, token ids, events, where it was routed."""
+
+    def __init__(self, url: str, path: str, body: dict[str, Any]) -> None:
+        self.url, self.path, self.body = url + path, path, {**body, "stream": True}
+        self.text = ""
+        self.ids: list[int] = []
+        self.events: list[dict[str, Any]] = []
+        self.done = 0
+        self.route: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.routed = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with httpx.stream(
+                "POST", self.url, json=self.body, headers={"x-pdproxy-debug": "1"}, timeout=600
+            ) as resp:
+                assert resp.status_code == 200, resp.read()
+                self.route = json.loads(resp.headers["x-pdproxy-route"])
+                self.routed.set()
+                for line in resp.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        self.done += 1
+                        continue
+                    event = json.loads(line[6:])
+                    self.events.append(event)
+                    for c in event.get("choices") or []:
+                        delta = c.get("delta")
+                        self.text += (delta or {}).get("content") or c.get("text") or ""
+                        self.ids += c.get("token_ids") or []
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            self.routed.set()
+
+    @property
+    def consumer(self) -> str:
+        assert self.route is not None, self.error
+        return str(self.route["consumers"][0]["name"])
+
+    def wait_tokens(self, n: int, deadline: float) -> None:
+        while len(self.ids) < n and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def join(self) -> None:
+        self.thread.join(600)
+        assert not self.thread.is_alive()
+        assert self.error is None, self.error
+
+
+def _migrations(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith('pdproxy_stream_migrations_total{outcome="migrated"}')
+    )
+
+
+def test_consumer_killed_mid_stream_continues_exactly(kills_consumer: VllmStack) -> None:
+    stack = kills_consumer
+    chat_path, completion_path = "/v1/chat/completions", "/v1/completions"
+    with ThreadPoolExecutor(2) as pool:
+        chat_ref = pool.submit(_reference, stack.url("r0"), chat_path, CHAT)
+        completion_ref = pool.submit(_reference, stack.url("r0"), completion_path, COMPLETION)
+        want_chat, want_completion = chat_ref.result(), completion_ref.result()
+    assert len(want_chat[1]) == len(want_completion[1]) == TOKENS
+    before = _migrations(stack.agg_url)
+
+    chat = _Stream(stack.agg_url, chat_path, CHAT)
+    completion = _Stream(stack.agg_url, completion_path, COMPLETION)
+    assert chat.routed.wait(600) and completion.routed.wait(600)
+    deadline = time.monotonic() + 300
+    chat.wait_tokens(KILL_AFTER, deadline)
+    completion.wait_tokens(KILL_AFTER, deadline)
+    victim = chat.consumer
+    cut = len(chat.ids)
+    assert KILL_AFTER <= cut < TOKENS, f"chat stream at {cut} tokens when the kill was due"
+    stack.child(victim).signal_group(signal.SIGKILL)
+    assert stack.child(victim).wait(deadline=float("inf")) is not None
+    chat.join()
+    completion.join()
+
+    for stream, (text, ids) in ((chat, want_chat), (completion, want_completion)):
+        assert stream.done == 1
+        assert "error" not in json.dumps(stream.events)[:100_000]
+        assert stream.ids == ids  # token for token, across the cut
+        assert stream.text == text
+        assert len({(e["id"], e["created"]) for e in stream.events}) == 1
+    migrated = _migrations(stack.agg_url) - before
+    on_victim = sum(s.consumer == victim for s in (chat, completion))
+    assert migrated == on_victim, (victim, chat.route, completion.route)
+    print(f"\nkilled {victim} after {cut} chat tokens; {int(migrated)} stream(s) migrated")
