@@ -73,6 +73,8 @@ class Caller:
     """Its tenant; None when every caller shares one cache (no keys, or ``share_prefixes``)."""
     sees_cached_tokens: bool
     """Its answers show the engine's ``cached_tokens`` (else 0)."""
+    ttft_class: str | None = None
+    """Its key's TTFT class (None: the router's default)."""
     key_scope: str | None = None
     """What scopes its sessions (affinity): a digest of its key, computed once per key. None
     when no keys are configured: sessions are then scoped by whatever bearer token the client
@@ -88,7 +90,9 @@ def _caller(key: ApiKey, digest: bytes, share_prefixes: bool) -> Caller:
     tenant = None
     if not share_prefixes:
         tenant = TenantId(f"name:{key.tenant}" if key.tenant is not None else f"key:{digest.hex()}")
-    return Caller(key.trusted, tenant, key.see_cached_tokens, key_scope=digest[:8].hex())
+    return Caller(
+        key.trusted, tenant, key.see_cached_tokens, key.ttft_class, key_scope=digest[:8].hex()
+    )
 
 
 class ClientKeys:
@@ -277,3 +281,46 @@ def wants_route_explain(headers: Headers) -> bool:
     """The client sent ``x-pdproxy-debug: 1`` (or ``true``)."""
     value = headers.get(DEBUG_REQUEST)
     return value is not None and value.strip().lower() in ("1", "true")
+
+
+TTFT_CLASS_HEADER = "x-pdproxy-ttft-class"
+TTFT_TARGET_HEADER = "x-pdproxy-ttft-target-ms"
+_MAX_TARGET_MS = 3_600_000.0
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyAsk:
+    """The TTFT class and target a request is routed with."""
+
+    ttft_class: str | None
+    target_ms: float | None
+
+
+NO_LATENCY_ASK = LatencyAsk(None, None)
+
+
+def latency_ask(headers: Headers, caller: Caller) -> LatencyAsk:
+    """The caller's key's class; a trusted caller may name another class
+    (``x-pdproxy-ttft-class``) or a target of its own (``x-pdproxy-ttft-target-ms``). An
+    untrusted caller's headers are ignored: a class or a target is a claim on the pool's
+    capacity (``batch`` yields to ``interactive``, shedding spares what is not sheddable) that
+    only the operator hands out, through keys."""
+    if not caller.trusted:
+        return NO_LATENCY_ASK if caller.ttft_class is None else LatencyAsk(caller.ttft_class, None)
+    klass = headers.get(TTFT_CLASS_HEADER)
+    if klass is not None and not (0 < len(klass) <= 64 and klass.isprintable()):
+        raise ClientRequestError(400, f"{TTFT_CLASS_HEADER} must be a class name")
+    target = headers.get(TTFT_TARGET_HEADER)
+    target_ms = None
+    if target is not None:
+        try:
+            target_ms = float(target)
+        except ValueError:
+            target_ms = -1.0
+        if not 0.0 < target_ms <= _MAX_TARGET_MS:  # NaN fails too
+            raise ClientRequestError(
+                400, f"{TTFT_TARGET_HEADER} must be milliseconds in (0, {_MAX_TARGET_MS:.0f}]"
+            )
+    if klass is None and target_ms is None:
+        return NO_LATENCY_ASK if caller.ttft_class is None else LatencyAsk(caller.ttft_class, None)
+    return LatencyAsk(klass if klass is not None else caller.ttft_class, target_ms)

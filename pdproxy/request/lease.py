@@ -205,6 +205,8 @@ class RequestLease:
                 producer=record.producer, consumer=record.consumer, ok=ok,
                 cached_tokens=record.cached_tokens,
                 producer_cached_tokens=record.producer_cached_tokens,
+                producer_s=record.producer_s,
+                consumer_first_byte_s=record.consumer_first_byte_s,
             )  # fmt: skip
             try:
                 await self._router.finished(self.decision, outcome)

@@ -54,6 +54,7 @@ from pdproxy.front.intake import (
     check_declared_size,
     check_kv_params,
     decode_body,
+    latency_ask,
     read_body,
     wants_route_explain,
 )
@@ -218,10 +219,12 @@ class RequestPath:
         trace = lease.trace
         if trace is not None:
             trace.routing()
+        ask = latency_ask(headers, caller)
         route = RouteRequest(
             record.request_id, record.endpoint, body.data, len(raw),
             session=session_of(headers, body.data, caller.key_scope),
             model=model.name if model is not None else None,
+            ttft_class=ask.ttft_class, ttft_target_ms=ask.target_ms,
         )  # fmt: skip
         decision = lease.decision = await self._router.route(route, pool.producers, pool.consumers)
         if trace is not None:

@@ -78,6 +78,11 @@ class RouteRequest:
     model: str | None = None
     """The model the proxy's catalog resolved ``body["model"]`` to (None: not resolved, e.g. a
     router called directly; a per-model router then reads the body)."""
+    ttft_class: str | None = None
+    """The TTFT class the caller's key names (``interactive``, ``batch``...; None: the
+    router's default class)."""
+    ttft_target_ms: float | None = None
+    """A target a trusted caller set on this request (over its class's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +125,12 @@ class RequestOutcome:
     """``usage.prompt_tokens_details.cached_tokens`` from the consumer, when it reported one."""
     producer_cached_tokens: int | None = None
     """The same from the producer leg's answer (its own prefix-cache hit)."""
+    # Timings are measurements, not what the request did: outcomes compare without them.
+    producer_s: float = field(default=0.0, compare=False)
+    """The producer phase's time (0: none ran); the TTFT model learns producer rates from it."""
+    consumer_first_byte_s: float = field(default=0.0, compare=False)
+    """From the consumer phase's start to its first byte (0: no answer): a stream's first
+    token, a whole answer's end."""
 
 
 class Router(Protocol):

@@ -58,6 +58,9 @@ class ApiKey(BaseModel):
     see_cached_tokens: bool = False
     """Answers to this key show the engine's ``cached_tokens``; to any other key they show 0,
     so that a key cannot learn which prompts its own tenant's other keys sent."""
+    ttft_class: str | None = Field(default=None, min_length=1, max_length=64)
+    """The TTFT class of this key's requests (``router_options.ttft.classes``: ``interactive``,
+    ``batch``...); unset, or a name the model's router does not know: its ``default_class``."""
 
 
 class TenantSettings(BaseModel):
@@ -275,6 +278,13 @@ class ProxySettings(BaseSettings):
                     f"models: limits of {model!r} (max_concurrent + queue_size) must stay below "
                     f"admission.max_concurrent ({cap}), or one model can starve the others"
                 )
+        classes = set(self.router_options.ttft.classes)
+        for served in self.models.served.values():
+            if "ttft" in served.router_options.model_fields_set:
+                classes |= set(served.router_options.ttft.classes)
+        unknown = sorted({k.ttft_class for k in self.api_keys if k.ttft_class} - classes)
+        if unknown:
+            raise ValueError(f"api_keys name TTFT classes no router_options.ttft has: {unknown}")
         return self
 
     @classmethod

@@ -22,6 +22,7 @@ from pdproxy.settings.scorers import (
     EngineLoadSettings,
     IndexExactnessSettings,
     PullSettings,
+    TtftSettings,
 )
 
 # kvtier's defaults, written out: loading the settings loads no part of the runtime (zmq).
@@ -218,6 +219,11 @@ class KvRouterSettings(BaseModel):
     pull: PullSettings = Field(
         default_factory=PullSettings,
         description="symmetric pull: a free node pulls the prompt's prefix from its busy holder",
+    )
+    ttft: TtftSettings = Field(
+        default_factory=TtftSettings,
+        description="predicted time to first token: targets per class, routing, PD bypass and "
+        "shedding by prediction",
     )
 
     def over(self, own: KvRouterSettings) -> KvRouterSettings:

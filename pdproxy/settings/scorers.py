@@ -10,7 +10,9 @@ its settings. Checks live on the fields.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class CostWeights(BaseModel):
@@ -191,3 +193,129 @@ class PullSettings(BaseModel):
         description="measured pulls smaller than this do not update the link speed (latency, "
         "not bandwidth, dominates them)",
     )
+
+
+class TtftClass(BaseModel):
+    """A class of requests by their time-to-first-token target (``interactive``, ``batch``...)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target_ms: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="TTFT target; None: no target (routed to the lowest predicted TTFT)",
+    )
+    sheddable: bool = Field(
+        default=False,
+        description="refused at once (429 + Retry-After) when no candidate is predicted to "
+        "meet its target, rather than queued to miss it",
+    )
+    yields: bool = Field(
+        default=False,
+        description="placed only where the prefill queue ahead of it is within yield_share of "
+        "the tightest target of the classes that do not yield (batch yields to interactive)",
+    )
+    placement: Literal["fastest", "headroom"] = Field(
+        default="fastest",
+        description="among candidates meeting the target: the fastest, or the one that keeps "
+        "the fast nodes free (the slowest still within the target's headroom_share)",
+    )
+
+
+def _default_classes() -> dict[str, TtftClass]:
+    return {
+        "interactive": TtftClass(),
+        "batch": TtftClass(sheddable=True, yields=True, placement="headroom"),
+    }
+
+
+class TtftSettings(BaseModel):
+    """Predicted time to first token (:mod:`pdproxy.routing.kv.latency`): per candidate pair, in
+    milliseconds, from rates learned per node from observed leg timings. Routes to the lowest
+    prediction that meets the request's target, bypasses the producer when the consumer alone is
+    predicted faster, refuses sheddable requests no candidate can serve in time. Until the
+    pool has learned its rates (cold start) the cost model and its thresholds decide."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    classes: dict[str, TtftClass] = Field(default_factory=_default_classes)
+    default_class: str = Field(
+        default="interactive", description="the class of a request whose key names none"
+    )
+    warm_samples: int = Field(
+        default=4,
+        ge=1,
+        description="observed legs before a node's rate is trusted; until some node of the "
+        "pool has this many, predictions are cold and the cost model decides",
+    )
+    window_samples: float = Field(
+        default=32.0,
+        ge=2.0,
+        description="observations weigh 1/e after this many newer ones (how fast a rate "
+        "follows a node whose speed changed)",
+    )
+    seed_prefill_ms_per_token: float = Field(
+        default=0.1, gt=0.0, description="prefill time of a token on a node nothing is known of"
+    )
+    seed_leg_ms: float = Field(
+        default=5.0, ge=0.0, description="fixed time of a leg on a node nothing is known of"
+    )
+    seed_first_step_ms: float = Field(
+        default=20.0,
+        ge=0.0,
+        description="a PD consumer's time from its leg to its first token, KV transfer aside",
+    )
+    seed_fetch_ms_per_block: float = Field(
+        default=0.05, ge=0.0, description="a PD consumer's time to fetch one missing block"
+    )
+    max_leg_ms: float = Field(
+        default=120_000.0,
+        gt=0.0,
+        description="observed legs longer than this are clipped (one stall cannot poison a rate)",
+    )
+    max_fixed_ms: float = Field(
+        default=200.0,
+        gt=0.0,
+        description="most a learned line's fixed part (a leg's overhead, a consumer's first "
+        "step) may be: beyond it the time is put down to work, not to start-up",
+    )
+    headroom_share: float = Field(
+        default=0.8,
+        gt=0.0,
+        le=1.0,
+        description="placement=headroom: candidates predicted within this share of the target",
+    )
+    explore_share: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="ways predicted within this share of the fastest are ties, won by the node "
+        "observed longest ago: how a node believed slow gets the work that shows it is not",
+    )
+    relearn_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="a node's learned rate drifts toward the pool's fastest while the node "
+        "goes unobserved, 1/e of the way after this long: a slow node is tried again now and "
+        "then, so one that got faster is found",
+    )
+    yield_share: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="a yielding request starts only on a node whose prefill queue ahead of it "
+        "is within this share of the tightest non-yielding target",
+    )
+    max_nodes: int = Field(default=4096, ge=1, description="nodes whose rates are kept")
+
+    @model_validator(mode="after")
+    def _default_class_exists(self) -> TtftSettings:
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not one of classes")
+        return self
+
+    def protected_ms(self) -> float | None:
+        """The tightest target among the classes that do not yield (None: none has one)."""
+        targets = [c.target_ms for c in self.classes.values() if not c.yields and c.target_ms]
+        return min(targets) if targets else None

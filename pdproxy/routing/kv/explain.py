@@ -3,7 +3,8 @@
 ``explain`` is what the opt-in debug header (:mod:`pdproxy.routing.explain_header`) and the
 debug log line show: the reason, where the residency came from (``memory``, ``redis`` or
 ``fallback``), the decision time, per candidate its cost, its parts and its matched blocks per
-tier (the scorers then add their own figures, :meth:`Scorer.annotate`), and a pull's figures.
+tier and its best predicted TTFT (the scorers then add their own figures,
+:meth:`Scorer.annotate`), a pull's figures, and the TTFT choice (class, target, best, chosen).
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from pdproxy.routing.kv.plan import NO_MATCH, Plan, Score
 from pdproxy.routing.kv.prompt_hash import HashedPrompt
 
 
-def _rows(scores: Sequence[Score], matches: Mapping[NodeId, Match]) -> list[dict[str, object]]:
+def _rows(
+    scores: Sequence[Score], matches: Mapping[NodeId, Match], ttft_ms: Mapping[str, float]
+) -> list[dict[str, object]]:
     out = []
     for s in scores:
         row = s.explain()
         m = matches.get(NodeId(s.name), NO_MATCH)
         row.update(gpu=m.gpu, cpu=m.cpu, total=m.total, predicted=m.predicted)
+        ms = ttft_ms.get(s.name)
+        if ms is not None:
+            row["ttft_ms"] = round(ms, 1)
         out.append(row)
     return out
 
@@ -43,13 +49,16 @@ def decision_of(
     the very objects given in ``prods`` and ``cons``."""
     by_p = {b.name: b for b in prods}
     by_c = {b.name: b for b in cons}
+    node_ms = plan.ttft.node_ms if plan.ttft is not None else {}
     explain: dict[str, Any] = {
         "reason": plan.reason,
         "index": source,
         "decide_ms": round(decided_s * 1e3, 3),
-        "consumers": _rows(plan.consumer_scores, matches),
-        "producers": _rows(plan.producer_scores, matches),
+        "consumers": _rows(plan.consumer_scores, matches, node_ms),
+        "producers": _rows(plan.producer_scores, matches, node_ms),
     }
+    if plan.ttft is not None:
+        explain["ttft"] = plan.ttft.explain()
     if isinstance(hashed, HashedPrompt):
         explain.update(prompt_tokens=hashed.tokens, blocks=len(hashed.hashes))
         explain["predicted_cached_tokens"] = plan.predicted_cached_tokens

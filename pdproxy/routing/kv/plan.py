@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvtier.residency.types import Match
 from pdproxy.routing.base import PullSource
+from pdproxy.routing.kv.latency.predict import Choice
 
 NO_MATCH = Match()
 
@@ -151,3 +152,6 @@ class Plan:
     """The node that prefills pulls the prefix from a holder (:mod:`~.scorers.pull`)."""
     predicted_producer_cached_tokens: int | None = None
     """What the first producer holds of the prompt, in tokens (None: no producer leg)."""
+    ttft: Choice | None = None
+    """The predicted-TTFT choice that ranked this plan, or shed its request
+    (:mod:`~.scorers.ttft`); None: predictions were cold or off, the cost model decided."""

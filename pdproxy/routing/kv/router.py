@@ -10,6 +10,8 @@ One decision, step by step (:meth:`KvRouter.route`):
    both with Redis; with the shared store down, this replica's own load and no matches); each
    scorer's view of the decision (:mod:`~pdproxy.routing.kv.scorers`).
 3. score and pick (:func:`~pdproxy.routing.kv.decide.decide`): pure over what was observed.
+   A plan the TTFT scorer shed (no candidate predicted within a sheddable request's target)
+   is refused here, 429 with ``Retry-After``, before anything is charged.
 4. record (:meth:`KvRouter._record`): the scorers' bookkeeping; ``state.record`` charges the
    chosen nodes and writes speculative residency for the prompt's blocks
    (:func:`~pdproxy.routing.kv.state.charges`); the decision, its explanation and metrics.
@@ -27,15 +29,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from kvtier.keys import BlockHasher
-from pdproxy.errors import NoBackendAvailable
+from pdproxy.errors import NoBackendAvailable, Overloaded
 from pdproxy.fleet.backends import BreakerState
 from pdproxy.routing.base import B, RequestOutcome, RouteDecision, RouteRequest
 from pdproxy.routing.kv.decide import Scoring, decide, scoring_of
 from pdproxy.routing.kv.event_feeds import EventFeeds
 from pdproxy.routing.kv.explain import decision_of
+from pdproxy.routing.kv.latency.predict import Choice
 from pdproxy.routing.kv.plan import Plan, PromptShape
 from pdproxy.routing.kv.prompt_hash import HashedPrompt, PromptHasher
 from pdproxy.routing.kv.scorers import build_scorers
@@ -43,6 +46,7 @@ from pdproxy.routing.kv.scorers.base import Ask, Made, Over, Scorer, View, overr
 from pdproxy.routing.kv.scorers.engine_load import EngineLoadScorer
 from pdproxy.routing.kv.scorers.index_exactness import IndexExactnessScorer
 from pdproxy.routing.kv.scorers.pull import PullScorer
+from pdproxy.routing.kv.scorers.ttft import TtftScorer
 from pdproxy.routing.kv.state import (
     LoadDelta,
     Observation,
@@ -126,9 +130,15 @@ class KvRouter:
             apply_blocks=settings.event_apply_blocks,
         )
         metrics.follow_feeds(self.feeds, state.index)
+        self._ttft = self.find(TtftScorer)
         engine, pull = self.find(EngineLoadScorer), self.find(PullScorer)
         if engine is not None and pull is not None:
             engine.readings.on_pull = lambda node, m: pull.measured(m.nbytes, m.seconds)
+        ttft = self._ttft
+        if engine is not None and ttft is not None:  # the engines' queues floor the backlog
+            engine.readings.on_reading = lambda node, r: ttft.rates.engine_waiting(
+                node, r.sample.waiting, r.at
+            )
         self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = False
@@ -197,11 +207,28 @@ class KvRouter:
             [b.name for b in consumers], views=seen.views, block_size=self.settings.block_size,
         )  # fmt: skip
         plan = decide(scoring, self.settings)
+        if plan.ttft is not None and plan.ttft.shed:
+            self._shed(request, plan.ttft)
         decided_s = time.perf_counter() - t0
         return await self._record(
             request, producers, consumers, seen=seen, scoring=scoring, plan=plan, t0=t0,
             decided_s=decided_s,
         )  # fmt: skip
+
+    def _shed(self, request: RouteRequest, choice: Choice) -> NoReturn:
+        """Refuse a request no candidate is predicted to serve within its target (nothing
+        was charged yet)."""
+        self.metrics.decisions.labels("ttft-shed").inc()
+        if self._ttft is not None:
+            self._ttft.refused(choice.target)
+        logger.info(
+            "route %s: shed (%s: best %.0f ms, target %s ms)", request.request_id,
+            choice.target.name, choice.best.ttft_ms, choice.target.target_ms,
+        )  # fmt: skip
+        raise Overloaded(
+            "no backend is predicted to serve this request within its latency target",
+            choice.retry_after_s,
+        )
 
     async def _observe(
         self, request: RouteRequest, producers: Sequence[B], consumers: Sequence[B]

@@ -25,6 +25,7 @@ from pdproxy.routing.kv.scorers import (
     load,
     prefix,
     pull,
+    ttft,
 )
 from pdproxy.routing.kv.scorers.base import Scorer, ScorerFactory
 from pdproxy.settings.routing import KvRouterSettings
@@ -35,6 +36,7 @@ SCORERS: dict[str, ScorerFactory] = {
     "load": load.build,  # requests and prefill tokens routed and not finished
     "engine_load": engine_load.build,  # what the engine reports beyond our own requests
     "prefix": prefix.build,  # cached blocks credited by tier; P2P fetch for a PD consumer
+    "ttft": ttft.build,  # predicted TTFT: re-ranks, bypasses the producer, sheds (warm pools)
     "pull": pull.build,  # a free node pulls the prefix from its busy holder
 }
 

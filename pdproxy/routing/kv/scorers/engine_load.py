@@ -68,9 +68,13 @@ class EngineLoadReadings:
         self.on_pull: Callable[[str, PullMeasurement], None] | None = None
         """Told of each node's pulls measured between two readings (the pull scorer's link
         speed: the workers' pull counters come with the same scrape)."""
+        self.on_reading: Callable[[str, EngineReading], None] | None = None
+        """Told of each reading as it is stored (the TTFT model's engine-reported queue)."""
 
     def put(self, node: str, reading: EngineReading) -> None:
         self._latest[node] = reading
+        if self.on_reading is not None:
+            self.on_reading(node, reading)
         measured = self.pull_counters.update(node, reading.sample)
         if measured is not None and self.on_pull is not None:
             self.on_pull(node, measured)

@@ -1,0 +1,222 @@
+"""The TTFT of each way to serve a request, and the choice against its target (pure).
+
+A way is a (producer, consumer) pair or a consumer alone. Its predicted TTFT in milliseconds::
+
+    pair (P, C):  compute_P(backlog_P + uncached_P)           the prefill leg, behind P's queue
+                + fetch_C(blocks C lacks) + ms_per_token_C x backlog_C
+                                                              transfer, first step, C's queue
+    alone C:      compute_C(backlog_C + uncached_C)
+
+with each node's lines and backlog as :class:`~.rates.NodeRate` (``compute(x) = leg +
+ms_per_token x x``, ``fetch(k) = first_step + ms_per_block x k``). ``uncached`` is the prompt's
+tokens past the node's cached prefix (engines compute at least the last token).
+
+:func:`choose`: with no target, the lowest prediction. With a target, among the ways that
+meet it (and, for a class that yields, find at most ``yield_cap_ms`` queued ahead on the node
+that prefills: batch work starts only where interactive work is not queueing), the fastest
+(ways within ``explore_share`` of it are ties, won by the prefill node observed longest ago, so
+a node whose speed changed is relearned), or for ``placement="headroom"`` the slowest within
+``headroom_share`` of the target (the fast nodes stay free for others). None meets it: a
+sheddable request is shed (its ``Retry-After`` is how far over the best way is), any other
+gets the lowest prediction.
+Ties break by name, so replicas given the same state agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdproxy.routing.kv.latency.rates import NodeRate
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    tokens: int
+    block_size: int
+
+    @property
+    def blocks(self) -> int:
+        return self.tokens // self.block_size
+
+    def uncached(self, held_blocks: int) -> int:
+        """Tokens a node holding ``held_blocks`` leading blocks computes (at least one)."""
+        if self.tokens <= 0:
+            return 0
+        cacheable = ((self.tokens - 1) // self.block_size) * self.block_size
+        return self.tokens - min(held_blocks * self.block_size, cacheable)
+
+
+@dataclass(frozen=True, slots=True)
+class Way:
+    """One way to serve the request, with its prediction and the figures that learn from it."""
+
+    consumer: str
+    producer: str | None
+    """None: the consumer alone."""
+    ttft_ms: float
+    prefill_node: str
+    prefill_work: float
+    """Tokens ahead on the node that prefills plus the request's own uncached ones."""
+    prefill_tokens: int
+    """The request's own uncached tokens there (what it adds to that node's backlog)."""
+    ahead_ms: float
+    """What the prefill node has queued ahead of this request."""
+    observed_at: float
+    """When a leg the prefill node served was last observed (what exploring prefers)."""
+    fetch_blocks: int = 0
+    consumer_queue_ms: float = 0.0
+
+    @property
+    def alone(self) -> bool:
+        return self.producer is None
+
+    def explain(self) -> dict[str, object]:
+        return {
+            "consumer": self.consumer,
+            "producer": self.producer,
+            "ms": round(self.ttft_ms, 1),
+        }
+
+
+def alone_way(prompt: Prompt, name: str, held: int, rate: NodeRate) -> Way:
+    own = prompt.uncached(held)
+    work = rate.backlog_tokens + own
+    return Way(
+        consumer=name,
+        producer=None,
+        ttft_ms=rate.compute.at(work),
+        prefill_node=name,
+        prefill_work=work,
+        prefill_tokens=own,
+        ahead_ms=rate.drain_ms(rate.backlog_tokens),
+        observed_at=rate.observed_at,
+    )
+
+
+def pair_way(
+    prompt: Prompt, producer: tuple[str, int], p: NodeRate, consumer: tuple[str, int], c: NodeRate
+) -> Way:
+    """``producer`` and ``consumer``: (name, leading blocks it holds)."""
+    (producer_name, p_held), (consumer_name, c_held) = producer, consumer
+    own = prompt.uncached(p_held)
+    work = p.backlog_tokens + own
+    fetch = max(prompt.blocks - c_held, 0)
+    queue = c.drain_ms(c.backlog_tokens)
+    return Way(
+        consumer=consumer_name,
+        producer=producer_name,
+        ttft_ms=p.compute.at(work) + c.fetch.at(fetch) + queue,
+        prefill_node=producer_name,
+        prefill_work=work,
+        prefill_tokens=own,
+        ahead_ms=p.drain_ms(p.backlog_tokens),
+        observed_at=p.observed_at,
+        fetch_blocks=fetch,
+        consumer_queue_ms=queue,
+    )
+
+
+def ways(
+    prompt: Prompt,
+    producers: Sequence[tuple[str, int]],
+    consumers: Sequence[tuple[str, int]],
+    rates: Mapping[str, NodeRate],
+) -> list[Way]:
+    """Every pair and every consumer alone (``(name, held blocks)`` per candidate). A node that
+    is both producer and consumer serves alone, never as a pair with itself."""
+    out = [alone_way(prompt, c, held, rates[c]) for c, held in consumers]
+    for p in producers:
+        for c in consumers:
+            if p[0] != c[0]:
+                out.append(pair_way(prompt, p, rates[p[0]], c, rates[c[0]]))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A request's class as the choice reads it."""
+
+    name: str
+    target_ms: float | None = None
+    sheddable: bool = False
+    yields: bool = False
+    placement: str = "fastest"
+    yield_cap_ms: float | None = None
+    """For a class that yields: the most it may find queued ahead on a node (None: no cap)."""
+    headroom_share: float = 0.8
+    explore_share: float = 0.0
+    """Ways within this share of the fastest count as ties (the least recently observed
+    prefill node wins)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The way chosen (None: shed) and why."""
+
+    way: Way | None
+    best: Way
+    """The lowest prediction (what a shed request would have waited for)."""
+    target: Target
+    met: bool
+    """The chosen way is predicted within the target (True when there is none)."""
+    retry_after_s: int = 0
+    """Shed: seconds until the best way is predicted to meet the target."""
+    node_ms: Mapping[str, float] = field(default_factory=dict)
+    """Each candidate's best prediction (for the explanation's rows)."""
+
+    @property
+    def shed(self) -> bool:
+        return self.way is None
+
+    def explain(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "class": self.target.name,
+            "target_ms": self.target.target_ms,
+            "best_ms": round(self.best.ttft_ms, 1),
+            "met": self.met,
+        }
+        if self.way is None:
+            out["shed"] = True
+            out["retry_after_s"] = self.retry_after_s
+        else:
+            out["chosen"] = self.way.explain()
+        return out
+
+
+def _key(way: Way) -> tuple[float, str, str]:
+    return (way.ttft_ms, way.consumer, way.producer or "")
+
+
+def fastest(options: Sequence[Way], explore_share: float) -> Way:
+    """The lowest prediction, or among the ways within ``explore_share`` of it the one whose
+    prefill node was observed longest ago: a node believed slow is only relearned when it is
+    sent work, and near-ties are where trying it costs least."""
+    best = min(options, key=_key)
+    if explore_share <= 0.0:
+        return best
+    near = best.ttft_ms * (1.0 + explore_share)
+    return min((w for w in options if w.ttft_ms <= near), key=lambda w: (w.observed_at, *_key(w)))
+
+
+def choose(options: Sequence[Way], target: Target) -> Choice:
+    """The way for a request of ``target``'s class (``options`` must not be empty)."""
+    best = min(options, key=_key)
+    limit = target.target_ms
+    if limit is None:
+        return Choice(fastest(options, target.explore_share), best, target, True)
+    cap = target.yield_cap_ms if target.yields else None
+    fits = [w for w in options if w.ttft_ms <= limit and (cap is None or w.ahead_ms <= cap)]
+    if fits:
+        if target.placement == "headroom":
+            roomy = [w for w in fits if w.ttft_ms <= limit * target.headroom_share]
+            if roomy:
+                return Choice(max(roomy, key=_key), best, target, True)
+        return Choice(fastest(fits, target.explore_share), best, target, True)
+    if target.sheddable:
+        over_ms = best.ttft_ms - limit
+        if cap is not None:
+            over_ms = max(over_ms, min(w.ahead_ms for w in options) - cap)
+        return Choice(None, best, target, False, max(1, math.ceil(over_ms / 1e3)))
+    return Choice(best, best, target, False)
