@@ -5,6 +5,9 @@ runs it.
 vLLM 0.32 cannot publish a rank's KV events on ``ipc://`` (rank 1 dies at start-up) and binds
 TCP only on every interface, so its events go to a concrete loopback address where the proxy
 listens (``events_listen``), rank ``r`` on the port + ``r``; each batch carries its rank.
+
+Named to run before the package's shared stack starts (file order): its two engine cores start
+in about 50 s on a quiet machine, and took 180-235 s beside three running NIXL instances.
 """
 
 from __future__ import annotations
