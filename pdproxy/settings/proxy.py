@@ -275,6 +275,10 @@ class ProxySettings(BaseSettings):
                     f"models: limits of {model!r} (max_concurrent + queue_size) must stay below "
                     f"admission.max_concurrent ({cap}), or one model can starve the others"
                 )
+        listening = [b.name for b in self.backends if b.events_listen]
+        if listening and self.workers != 1:
+            # One process can listen on a port; the others would follow no events at all.
+            raise ValueError(f"events_listen (backends {listening}) needs workers: 1")
         return self
 
     @classmethod
