@@ -63,10 +63,11 @@ def dp_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DpStack]:
     # Predictions written at routing time expire at once: a choice made later is the events'.
     config["router_options"]["prediction_ttl_s"] = 0.05
     with Supervisor(run_dir / "logs", stop_grace_s=15.0) as supervisor:
-        # The proxy first: it listens where the ranks' publishers connect.
+        # The proxy first: it listens where the ranks' publishers connect; ready (/ready)
+        # once it has seen the engine healthy.
         url, argv = _write_proxy(run_dir, "dp", config)
         env = {"PYTHONPATH": str(ROOT)}
-        supervisor.start([ProcessSpec("dp-proxy", tuple(argv), url + "/health", env, "proxy")])
+        supervisor.start([ProcessSpec("dp-proxy", tuple(argv), url + "/ready", env, "proxy")])
         supervisor.start([r1.spec])
         supervisor.wait_healthy(STARTUP_TIMEOUT_S)
         yield DpStack(r1.url, url)
