@@ -52,7 +52,8 @@ class BackendConfig(BaseModel):
     ``r``) and the engine connects to it, as vLLM's publisher does for a concrete address: a DP
     vLLM 0.32 can publish privately only so (it refuses ``ipc://`` for rank 1 and up and binds
     only ``tcp://*``). A listener: whoever reaches it can publish events, which steer routing
-    but cannot fail a request; bind loopback or a private network (docs/security.md)."""
+    but cannot fail a request; bind loopback or a private network (docs/security.md). One
+    process can listen on a port: it needs the proxy's ``workers: 1``."""
     health_path: str = "/health"
     kv_address: str | None = None
     """``host:port`` this producer announces for KV transfer (the P2P server, or NIXL's side

@@ -285,6 +285,10 @@ class ProxySettings(BaseSettings):
         unknown = sorted({k.ttft_class for k in self.api_keys if k.ttft_class} - classes)
         if unknown:
             raise ValueError(f"api_keys name TTFT classes no router_options.ttft has: {unknown}")
+        listening = [b.name for b in self.backends if b.events_listen]
+        if listening and self.workers != 1:
+            # One process can listen on a port; the others would follow no events at all.
+            raise ValueError(f"events_listen (backends {listening}) needs workers: 1")
         return self
 
     @classmethod

@@ -62,6 +62,8 @@ def proxy_config(
     }
     if admin_key:
         config["admin_key"] = admin_key
+    if any(b.get("events_listen") for b in backends):
+        config["workers"] = 1  # one process can listen where the engines' ranks publish
     if router == "kv":
         options = router_options(paths)
         if redis_url:

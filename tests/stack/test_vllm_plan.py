@@ -130,6 +130,9 @@ def test_data_parallel_ranks(tmp_path: Path) -> None:
     options = StackOptions(producers=1, consumers=1, data_parallel_size=2)
     plan = build_vllm_plan(options, paths, run_dir, lambda: next(ports))
     settings = ProxySettings.model_validate(plan.proxy_config)
+    assert settings.workers == 1  # one process listens where the ranks publish
+    with pytest.raises(ValueError, match="workers: 1"):
+        ProxySettings.model_validate({**plan.proxy_config, "workers": 2})
     by_name = {b.name: b for b in settings.backends}
     for worker in plan.workers:
         argv = worker.argv

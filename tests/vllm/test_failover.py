@@ -14,7 +14,6 @@ import json
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -24,7 +23,7 @@ from tests.vllm.conftest import MODEL, VllmStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-TOKENS = 120
+TOKENS = 64
 """Long enough that neither stream ends before the kill lands (a few tokens in)."""
 KILL_AFTER = 12
 _WORDS = [
@@ -135,10 +134,11 @@ def _migrations(url: str) -> float:
 def test_consumer_killed_mid_stream_continues_exactly(kills_consumer: VllmStack) -> None:
     stack = kills_consumer
     chat_path, completion_path = "/v1/chat/completions", "/v1/completions"
-    with ThreadPoolExecutor(2) as pool:
-        chat_ref = pool.submit(_reference, stack.url("r0"), chat_path, CHAT)
-        completion_ref = pool.submit(_reference, stack.url("r0"), completion_path, COMPLETION)
-        want_chat, want_completion = chat_ref.result(), completion_ref.result()
+    # One at a time: vLLM on CPU is not batch-invariant (bf16), and a reference computed in a
+    # batch of two once parted from the streams' tokens 70 tokens after the cut (a near-tie);
+    # alone, 400-token references matched both migrated streams.
+    want_chat = _reference(stack.url("r0"), chat_path, CHAT)
+    want_completion = _reference(stack.url("r0"), completion_path, COMPLETION)
     assert len(want_chat[1]) == len(want_completion[1]) == TOKENS
     before = _migrations(stack.agg_url)
 

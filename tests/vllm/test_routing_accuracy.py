@@ -39,7 +39,7 @@ from tests.vllm.conftest import (
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 CONVERSATIONS = 3
-TURNS = 4
+TURNS = 3
 USER_TOKENS = 300
 """Past ``max_suffix_tokens`` (256): every turn needs a producer."""
 ANSWER_TOKENS = 8
