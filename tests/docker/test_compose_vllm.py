@@ -57,6 +57,8 @@ def test_engines_enable_nixl_prefix_caching_and_kv_events(compose: dict[str, Any
         assert urlparse(events["endpoint"]).port == 5557
         assert "--enable-prefix-caching" in flags and flags["--block-size"] == "16"
         assert flags["--optimization-level"] == "2"  # vLLM's default
+        # cached_tokens in usage: the router's drift telemetry (and the live test) read it.
+        assert "--enable-prompt-tokens-details" in flags
         assert environment(service)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == name
         assert "deploy" not in service  # devices come from the GPU overlay
         assert "healthcheck" in service

@@ -113,8 +113,9 @@ def vllm_compose(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCompo
 
 
 def _logs(live: VllmCompose, said: str = "") -> str:
-    logs = live.run("logs", "--tail", "40", timeout=60)
-    return f"{said[-3000:]}\n{logs.stdout[-6000:]}"
+    logs = live.run("logs", "--no-color", "--tail", "150", timeout=60)
+    errors = [line for line in logs.stdout.splitlines() if "Error" in line or "ERROR" in line]
+    return f"{said[-3000:]}\n{logs.stdout[-8000:]}\nerror lines:\n" + "\n".join(errors[-30:])
 
 
 def _wait_ready(live: VllmCompose, timeout_s: float = 300.0) -> None:
