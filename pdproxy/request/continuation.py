@@ -22,9 +22,10 @@ Text continuation is exact when the engine tokenizes ``prompt + generated`` into
 tokens followed by the generated ones: always with the reference worker's byte tokenizer, and for
 BPE tokenizers unless a merge crosses the boundary (then greedy output may differ after the
 migration point), and for chat only if the template renders an open assistant message exactly as
-the generation prompt plus the text. Token ids avoid both. What ids cannot make exact: text the
-first consumer held back (the bytes of an unfinished UTF-8 character, a possible stop string) is
-not re-sent, because the continuation's detokenizer treats those tokens as prompt; sampling with
+the generation prompt plus the text. Token ids avoid both. What ids cannot make exact: the text
+at a cut inside an unfinished UTF-8 character or a possible stop string: what the first consumer
+held back is not re-sent, because the continuation's detokenizer treats those tokens as prompt
+(and vLLM 0.32's once emitted prompt text there); sampling with
 temperature > 0 restarts its random stream; and a stop string that straddles the migration point
 is not seen. Sampling settings are sent unchanged; ``max_tokens``/``max_completion_tokens``
 become what remains, ``min_tokens`` what is still owed.

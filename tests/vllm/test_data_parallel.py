@@ -70,6 +70,13 @@ def dp_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DpStack]:
         supervisor.start([ProcessSpec("dp-proxy", tuple(argv), url + "/ready", env, "proxy")])
         supervisor.start([r1.spec])
         supervisor.wait_healthy(STARTUP_TIMEOUT_S)
+        # vLLM's /health flapped while its DP engines finished starting (the proxy ejected it
+        # once, answering 503): wait until a request goes through.
+        deadline = time.monotonic() + 120
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1}
+        while httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 503:
+            assert time.monotonic() < deadline, "the proxy never routed to the DP engine"
+            time.sleep(1)
         yield DpStack(r1.url, url)
 
 
