@@ -308,6 +308,12 @@ class TtftSettings(BaseModel):
         "is within this share of the tightest non-yielding target",
     )
     max_nodes: int = Field(default=4096, ge=1, description="nodes whose rates are kept")
+    bypass: bool = Field(
+        default=True,
+        description="once warm, the prediction decides whether the consumer prefills alone; "
+        "false: `local_prefill`'s thresholds decide that (e.g. an always-disaggregated pool) "
+        "and the prediction ranks only the ways of the kind they chose",
+    )
 
     @model_validator(mode="after")
     def _default_class_exists(self) -> TtftSettings:

@@ -96,6 +96,8 @@ def two_producers(
             proxy_backend(vllm_stack.instances["d0"]),
         ]
         config = proxy_config(backends, vllm_stack.paths, host="127.0.0.1", port=0)
+        # The thresholds disaggregate every turn; a warm TTFT model must not bypass them.
+        config["router_options"]["ttft"] = {"bypass": False}
         url, argv = _write_proxy(run_dir, "pd2", config)
         env = {"PYTHONPATH": str(ROOT)}
         supervisor.start([ProcessSpec("pd2-proxy", tuple(argv), url + "/ready", env, "proxy")])

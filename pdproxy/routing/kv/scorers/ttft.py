@@ -63,6 +63,8 @@ class TtftView(View):
     block_size: int
     consumer_local: bool
     """``pd_cached_tokens: consumer_local``: a PD consumer reports only its own hits."""
+    bypass: bool = True
+    """False: the plan's kind (pair or alone, the thresholds' choice) is kept."""
 
     def revise(self, plan: Plan, costing: Costing) -> Plan:
         if not self.warm:
@@ -72,6 +74,11 @@ class TtftView(View):
         prods = [(n.name, held_blocks(n.match)) for n in costing.producers]
         cons = [(n.name, held_blocks(n.match)) for n in costing.consumers]
         options = ways(prompt, prods, cons, self.rates)
+        if not self.bypass:
+            alone = not plan.producers
+            options = [w for w in options if w.alone == alone]
+            if not options:  # only self-pairs: the thresholds' plan stands
+                return plan
         choice = choose(options, self.target)
         node_ms: dict[str, float] = {}
         for w in options:
@@ -214,6 +221,7 @@ class TtftScorer(Scorer[TtftView]):
             enabled and self.rates.warm,
             self._block_size,
             self._consumer_local,
+            self.settings.bypass,
         )
 
     def record(self, made: Made, view: TtftView) -> None:

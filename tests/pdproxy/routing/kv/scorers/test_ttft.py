@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from pdproxy.routing.kv.latency.rates import PoolRates
-from pdproxy.settings.routing import KvRouterSettings
+from pdproxy.settings.routing import KvRouterSettings, LocalPrefillThresholds
 from pdproxy.settings.scorers import TtftClass, TtftSettings
 
 from .ttft_sim import SimNode, SimPool
@@ -113,6 +113,22 @@ def test_bypass_when_the_consumer_holds_the_prefix_and_two_legs_when_the_transfe
     pool.advance(2.0)
     cold = pool.serve(2048)
     assert cold.plan.reason == "ttft" and cold.plan.producers[0] == "p-fast"
+
+
+def test_without_bypass_an_always_disaggregated_pool_stays_disaggregated() -> None:
+    """``bypass: false`` leaves the pair-or-alone choice to ``local_prefill`` (here: never
+    alone) and ranks only pairs, where bypass would have sent the request to c0 alone."""
+    pool = mixed_pool(bypass=False)
+    always = LocalPrefillThresholds(max_suffix_tokens=0, min_hit_ratio=1.0)
+    pool.settings = pool.settings.model_copy(update={"local_prefill": always})
+    warm_up(pool)
+    pool.nodes["p-fast"].busy_until = pool.nodes["p-slow"].busy_until = pool.now + 2.0
+    pool.scorer.rates.queue("p-fast", 20_000, pool.now)
+    pool.scorer.rates.queue("p-slow", 6_000, pool.now)
+    served = pool.serve(2048, held={"c0": 120})
+    assert served.plan.ttft is not None  # warm: the prediction ranked it
+    assert served.plan.reason == "ttft" and served.plan.producers
+    assert served.plan.producers[0] == "p-slow"  # the shorter queue of the two
 
 
 def test_batch_is_shed_first_and_interactive_never_for_it() -> None:
