@@ -166,6 +166,9 @@ def test_consumer_killed_mid_stream_continues_exactly(kills_consumer: VllmStack)
     child.signal_group(signal.SIGSTOP)
     time.sleep(0.5)
     clean = {id(s): s.clean_end() for s in on_victim}
+    # A stream that ended before the freeze (its [DONE] already with the client: on a busy
+    # machine the completion can outrun the chat) has nothing left to migrate.
+    running = sum(s.done == 0 for s in on_victim)
     at_cut = {id(s): s.text for s in on_victim}
     cut = len(chat.ids)
     assert KILL_AFTER <= cut < TOKENS, f"chat stream at {cut} tokens when the kill was due"
@@ -185,6 +188,6 @@ def test_consumer_killed_mid_stream_continues_exactly(kills_consumer: VllmStack)
             assert text.startswith(at_cut[id(stream)])
         assert len({(e["id"], e["created"]) for e in stream.events}) == 1
     migrated = _migrations(stack.agg_url) - before
-    on_victim = sum(s.consumer == victim for s in (chat, completion))
-    assert migrated == on_victim, (victim, chat.route, completion.route)
+    assert running >= 1  # the chat, at least, was cut
+    assert migrated == running, (victim, running, chat.route, completion.route)
     print(f"\nkilled {victim} after {cut} chat tokens; {int(migrated)} stream(s) migrated")
