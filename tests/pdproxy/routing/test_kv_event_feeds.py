@@ -195,3 +195,58 @@ async def test_a_listening_backend_is_connected_to_by_its_engine() -> None:
         pub.close(linger=0)
         ctx.term()
         await router.close()
+
+
+async def test_a_foreign_publisher_on_a_listening_port_cannot_claim_another_rank() -> None:
+    """Attacker: anyone who reaches a listening backend's port may connect a PUB (the proxy
+    cannot tell it from the engine). Batches tagged with a rank that stream is not for are
+    refused, however often they are sent; the same blocks tagged with its own rank are taken,
+    so the refusal is the rank check's, not a dead stream's."""
+    import zmq
+    import zmq.asyncio
+
+    from kvtier.events.codec import encode_batch
+    from kvtier.events.publisher import seq_frame
+    from tests.conftest import free_port
+
+    prefix = prompt_text(4)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    registry = Registry()
+    registry.backends.append(
+        RegisteredBackend("c0", "http://127.0.0.1:9", endpoint, None, events_listen=True)
+    )
+    router = build_kv_router(
+        KvRouterSettings(model_seed=SEED, block_size=BS),
+        backends=registry,
+        metrics_registry=CollectorRegistry(),
+        feed_sync_interval_s=0.05,
+    )
+    ctx = zmq.asyncio.Context()
+    foreign = ctx.socket(zmq.PUB)
+    await router.start()
+    try:
+        await eventually(lambda: _subscribed(router, "c0"))
+        foreign.connect(endpoint)
+        batch = stored(prefix)
+        seq = 0
+
+        async def send(rank: int) -> None:
+            nonlocal seq
+            tagged = EventBatch(batch.ts, batch.events, data_parallel_rank=rank)
+            await foreign.send_multipart((b"", seq_frame(seq), encode_batch(tagged)))
+            seq += 1
+
+        for _ in range(40):  # past the slow-joiner window of a fresh PUB connection
+            await send(7)
+            await asyncio.sleep(0.025)
+        assert await held(router, "c0", prefix) == 0
+
+        async def own_rank_taken() -> bool:
+            await send(0)
+            return await _has(router, "c0", prefix)
+
+        await eventually(own_rank_taken)
+    finally:
+        foreign.close(linger=0)
+        ctx.term()
+        await router.close()
