@@ -308,7 +308,7 @@ def _report(cells: list[Cell]) -> None:
             continue
         floor = floors[(cell.kind, cell.concurrency)]
         print(
-            f"  {cell.kind:<10} c={cell.concurrency:<3} req/s x{cell.rps / floor.rps:.2f}  "
+            f"  {cell.kind:<10} c={cell.concurrency:<3} req/s {_ratio(cell.rps, floor.rps)}  "
             f"p50 +{cell.p50_ms - floor.p50_ms:.2f} ms  "
             f"TTFC +{cell.ttfc_p50_ms - floor.ttfc_p50_ms:.2f} ms  "
             f"proxy CPU {cell.proxy_cpu_ms:.3f} ms/req (target <= 0.3)"
@@ -323,9 +323,16 @@ def _report(cells: list[Cell]) -> None:
         assert cell.proxy_cpu_ms is not None and base.proxy_cpu_ms is not None
         print(
             f"  {cell.kind:<10} c={cell.concurrency:<3} CPU/req {base.proxy_cpu_ms:.3f} -> "
-            f"{cell.proxy_cpu_ms:.3f} ms (x{cell.proxy_cpu_ms / base.proxy_cpu_ms:.2f})  "
-            f"req/s x{cell.rps / base.rps:.2f}  p50 {base.p50_ms:.2f} -> {cell.p50_ms:.2f} ms"
+            f"{cell.proxy_cpu_ms:.3f} ms ({_ratio(cell.proxy_cpu_ms, base.proxy_cpu_ms)})  "
+            f"req/s {_ratio(cell.rps, base.rps)}  p50 {base.p50_ms:.2f} -> {cell.p50_ms:.2f} ms"
         )
+
+
+def _ratio(value: float, base: float) -> str:
+    # CPU comes from /proc in clock ticks (10 ms here): a short cell can measure none at all.
+    if base <= 0:
+        return f"no ratio: the baseline measured 0 (a tick is {1000 / _TICKS:.0f} ms; run longer)"
+    return f"x{value / base:.2f}"
 
 
 def main(argv: list[str] | None = None) -> None:

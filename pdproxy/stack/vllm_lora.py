@@ -17,15 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pdproxy.stack.vllm_engine import LORA_MAX_RANK
-from pdproxy.stack.vllm_model import Tensor, TinyLlamaShape, bf16, write_safetensors
+from pdproxy.stack.vllm_model import (
+    Tensor,
+    TinyLlamaShape,
+    bf16,
+    replacing_directory,
+    write_safetensors,
+)
 
 LORA_RANK = LORA_MAX_RANK
 """The adapters' rank: what the instances that load them are started with."""
@@ -90,20 +93,11 @@ def make_adapter(
 ) -> Path:
     """Write the adapter directory ``out`` (replacing it whole, never half-written)."""
     shape = shape or TinyLlamaShape()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; vLLM may run as another user
-    try:
+    with replacing_directory(out) as tmp:
         config = json.dumps(adapter_config(base_model), indent=2, sort_keys=True) + "\n"
         (tmp / "adapter_config.json").write_text(config, encoding="utf-8")
         tensors = list(_tensors(name, seed, shape, LORA_RANK))
         write_safetensors(tmp / "adapter_model.safetensors", tensors)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -24,6 +24,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,10 +195,7 @@ def make_model(out: Path, seed: int = 0, shape: TinyLlamaShape | None = None) ->
     bos, eos = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     if bos is None or eos is None:
         raise RuntimeError("the trained tokenizer lost its special tokens")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
-    try:
+    with replacing_directory(out) as tmp:
         tokenizer.save(str(tmp / "tokenizer.json"))
         _dump(tmp / "tokenizer_config.json", _tokenizer_config())
         special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
@@ -205,13 +203,24 @@ def make_model(out: Path, seed: int = 0, shape: TinyLlamaShape | None = None) ->
         _dump(tmp / "config.json", _config(shape, vocab, bos, eos))
         _dump(tmp / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
         write_safetensors(tmp / "model.safetensors", list(_tensors(shape, vocab, seed)))
+    return out
+
+
+@contextmanager
+def replacing_directory(out: Path) -> Iterator[Path]:
+    """A fresh directory beside ``out`` to fill; it replaces ``out`` whole when the block ends,
+    and is removed if the block raises: a reader never sees a half-written model."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; vLLM may run as another user
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,3 +46,18 @@ def test_bench_proxy_compares_against_a_baseline_tree() -> None:
     assert len(rows) == 6 and all(line.split()[-1] == "0" for line in rows)
     assert "this proxy vs the baseline tree" in out
     assert len([line for line in out.splitlines() if "CPU/req" in line]) == 2
+
+
+def test_a_baseline_that_measured_no_cpu_is_reported_not_divided_by(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # CPU is read in clock ticks: a short cell under load can measure 0 for the baseline (CI).
+    from loadtest.bench_proxy import Cell, _report
+
+    def cell(mode: str, cpu_ms: float) -> Cell:
+        return Cell(mode, "json", 1, 40, 0, 0.3, 1.0, 2.0, 1.0, cpu_ms, 0.5)
+
+    _report([cell("floor", 0.0), cell("baseline", 0.0), cell("pdproxy", 0.25)])
+    out = capsys.readouterr().out
+    assert "CPU/req 0.000 -> 0.250 ms (no ratio: the baseline measured 0" in out
+    assert "req/s x1.00" in out

@@ -7,9 +7,10 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
 from tokenizers import Tokenizer
 
-from pdproxy.stack.vllm_model import make_model
+from pdproxy.stack.vllm_model import make_model, replacing_directory
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -40,6 +41,17 @@ def test_remaking_replaces_the_directory_whole(tmp_path: Path) -> None:
     assert not (out / "stray.bin").exists()
     assert _files(out) == _files(make_model(tmp_path / "again", seed=0))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_write_that_fails_leaves_the_old_directory_and_no_scratch(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    make_model(out, seed=0)
+    before = _files(out)
+    with pytest.raises(OSError, match="disk full"), replacing_directory(out) as scratch:
+        (scratch / "config.json").write_text("{}")
+        raise OSError("disk full")
+    assert _files(out) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
 
 
 def test_shape_fits_vllm_cpu_and_safetensors_is_consistent(tmp_path: Path) -> None:

@@ -44,7 +44,8 @@ Threat model (who may connect, what they can make the proxy do):
   :mod:`~pdproxy.fleet.membership.fabric`. Its messages go through :meth:`accept` like the
   others, owned by their source address.
 
-Attacker tests: ``tests/pdproxy/fleet/membership/test_registration_attacker.py``.
+Attacker tests: ``tests/pdproxy/fleet/membership/test_registration_attacker.py`` (sockets) and
+``test_registration_claims.py`` (what an admitted key may claim).
 """
 
 from __future__ import annotations
