@@ -81,6 +81,11 @@ class LocalPrefillThresholds(BaseModel):
         "blocks: no producer (1.0 disables)",
     )
 
+    @property
+    def always_disaggregated(self) -> bool:
+        """Neither rule ever sends an uncached suffix to a consumer alone."""
+        return self.max_suffix_tokens == 0 and self.min_hit_ratio >= 1.0
+
 
 class EventsCurveSettings(BaseModel):
     """ZMQ CURVE keys for the KV event subscriptions (certificate files written by

@@ -308,11 +308,13 @@ class TtftSettings(BaseModel):
         "is within this share of the tightest non-yielding target",
     )
     max_nodes: int = Field(default=4096, ge=1, description="nodes whose rates are kept")
-    bypass: bool = Field(
-        default=True,
-        description="once warm, the prediction decides whether the consumer prefills alone; "
-        "false: `local_prefill`'s thresholds decide that (e.g. an always-disaggregated pool) "
-        "and the prediction ranks only the ways of the kind they chose",
+    bypass: bool | None = Field(
+        default=None,
+        description="true: once warm, the prediction decides whether the consumer prefills "
+        "alone; false: `local_prefill`'s thresholds decide that and the prediction ranks only "
+        "the ways of the kind they chose. Unset: true, unless `local_prefill` never lets a "
+        "consumer prefill alone (`max_suffix_tokens: 0, min_hit_ratio: 1.0`: an operator's "
+        "always-disaggregated pool stays so)",
     )
 
     @model_validator(mode="after")

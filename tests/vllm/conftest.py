@@ -127,10 +127,9 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
     }
     pd_backends = [proxy_backend(instances["p0"]), proxy_backend(instances["d0"])]
     pd = proxy_config(pd_backends, paths, host="127.0.0.1", port=0)
-    # Always disaggregate, so every PD test really moves KV over NIXL.
+    # Always disaggregate, so every PD test really moves KV over NIXL (a warm TTFT model keeps
+    # to it: `ttft.bypass` unset follows these thresholds).
     pd["router_options"]["local_prefill"] = {"max_suffix_tokens": 0, "min_hit_ratio": 1.0}
-    # ... also once the TTFT model is warm (it would bypass the producer where faster).
-    pd["router_options"]["ttft"] = {"bypass": False}
     agg_backends = [
         {**proxy_backend(instances["d0"]), "dialect": "none", "role": "consumer"},
         proxy_backend(instances["r0"]),

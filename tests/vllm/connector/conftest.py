@@ -87,9 +87,8 @@ def kvtier_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvtierSta
     config = proxy_config(
         [proxy_backend(i) for i in instances.values()], paths, host="127.0.0.1", port=0
     )
+    # Always disaggregated, also once the TTFT model is warm (`ttft.bypass` unset follows this).
     config["router_options"]["local_prefill"] = {"max_suffix_tokens": 0, "min_hit_ratio": 1.0}
-    # Always disaggregated once the TTFT model is warm too (it may otherwise bypass the producer).
-    config["router_options"]["ttft"] = {"bypass": False}
     started = time.monotonic()
     with Supervisor(run_dir / "logs", stop_grace_s=15.0) as supervisor:
         supervisor.start([i.spec for i in instances.values()])

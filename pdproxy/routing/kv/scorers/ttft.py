@@ -170,6 +170,10 @@ class TtftScorer(Scorer[TtftView]):
         self.rates = PoolRates(settings.ttft)
         self._block_size = settings.block_size
         self._consumer_local = settings.pd_cached_tokens == "consumer_local"
+        bypass = settings.ttft.bypass
+        self.bypass = (
+            bypass if bypass is not None else not settings.local_prefill.always_disaggregated
+        )
         self._targets = {name: self._target(name, None) for name in self.settings.classes}
         self._pending: dict[str, _Pending] = {}
         self.error = Histogram(
@@ -221,7 +225,7 @@ class TtftScorer(Scorer[TtftView]):
             enabled and self.rates.warm,
             self._block_size,
             self._consumer_local,
-            self.settings.bypass,
+            self.bypass,
         )
 
     def record(self, made: Made, view: TtftView) -> None:

@@ -14,7 +14,9 @@ from .ttft_sim import SimNode, SimPool
 BS = 16
 
 
-def settings(**ttft: object) -> KvRouterSettings:
+def settings(
+    local_prefill: LocalPrefillThresholds | None = None, **ttft: object
+) -> KvRouterSettings:
     classes = {
         "interactive": TtftClass(target_ms=600.0),
         "batch": TtftClass(target_ms=6000.0, sheddable=True, yields=True, placement="headroom"),
@@ -22,12 +24,13 @@ def settings(**ttft: object) -> KvRouterSettings:
     return KvRouterSettings(
         block_size=BS,
         ttft=TtftSettings(classes=classes, **ttft),  # type: ignore[arg-type]
+        local_prefill=local_prefill or LocalPrefillThresholds(),
     )
 
 
-def mixed_pool(**ttft: object) -> SimPool:
+def mixed_pool(local_prefill: LocalPrefillThresholds | None = None, **ttft: object) -> SimPool:
     return SimPool(
-        settings(**ttft),
+        settings(local_prefill, **ttft),
         {
             "p-fast": SimNode(0.1),
             "p-slow": SimNode(0.3),
@@ -129,6 +132,29 @@ def test_without_bypass_an_always_disaggregated_pool_stays_disaggregated() -> No
     assert served.plan.ttft is not None  # warm: the prediction ranked it
     assert served.plan.reason == "ttft" and served.plan.producers
     assert served.plan.producers[0] == "p-slow"  # the shorter queue of the two
+
+
+def test_an_always_disaggregated_pool_stays_so_unless_bypass_is_asked_for() -> None:
+    """Unset, ``bypass`` follows ``local_prefill``: thresholds that never let a consumer
+    prefill alone keep every warm decision a pair; ``bypass: true`` says otherwise."""
+
+    def served_on(pool: SimPool) -> tuple[str, ...]:
+        warm_up(pool)
+        pool.nodes["p-fast"].busy_until = pool.nodes["p-slow"].busy_until = pool.now + 2.0
+        pool.scorer.rates.queue("p-fast", 20_000, pool.now)
+        pool.scorer.rates.queue("p-slow", 6_000, pool.now)
+        served = pool.serve(2048, held={"c0": 120})
+        assert served.plan.ttft is not None and served.plan.reason.startswith("ttft")
+        return served.plan.producers
+
+    always = LocalPrefillThresholds(max_suffix_tokens=0, min_hit_ratio=1.0)
+    unset = mixed_pool(always)
+    assert not unset.scorer.bypass
+    assert served_on(unset)[0] == "p-slow"
+    asked = mixed_pool(always, bypass=True)
+    assert asked.scorer.bypass
+    assert served_on(asked) == ()  # c0 alone: the prediction's choice, as asked
+    assert mixed_pool().scorer.bypass  # default thresholds: the prediction decides
 
 
 def test_batch_is_shed_first_and_interactive_never_for_it() -> None:
