@@ -39,6 +39,7 @@ from starlette.types import Message, Receive
 
 from kvtier.tasks import cancel_and_wait
 from pdproxy.errors import Overloaded
+from pdproxy.observe.metrics import LoopCounter, status_label
 from pdproxy.settings import AdmissionSettings
 from pdproxy.settings.models import ModelLimits, ModelsSettings
 
@@ -241,12 +242,13 @@ class _ModelLoad(Collector):
 
 class ModelMetrics:
     def __init__(self, registry: CollectorRegistry, admission: ModelAdmission) -> None:
-        self.requests = Counter(
+        # Counted once per request, on the loop: a plain number, not a locked child.
+        self.requests = LoopCounter(
             "pdproxy_model_requests",
             "Client requests by model and status (models the proxy knows, else 'other')",
             ["model", "status"],
-            registry=registry,
         )
+        registry.register(self.requests)
         self.refused = Counter(
             "pdproxy_model_admission_refused",
             "Requests refused by their model's admission (queue full or wait timed out)",
@@ -254,21 +256,16 @@ class ModelMetrics:
             registry=registry,
         )
         registry.register(_ModelLoad(admission))
-        self._statuses: dict[str, set[str]] = {}
-        """Statuses counted per label (to remove a forgotten label's series)."""
         admission.on_release = self.count
         admission.on_refused = lambda label: self.refused.labels(label).inc()
         admission.on_dropped = self.drop
 
     def count(self, label: str, status: int) -> None:
-        code = str(status)
-        self._statuses.setdefault(label, set()).add(code)
-        self.requests.labels(label, code).inc()
+        self.requests.child(label, status_label(status)).value += 1
 
     def drop(self, label: str) -> None:
         """Remove a forgotten model's series."""
-        for code in self._statuses.pop(label, ()):
-            self.requests.remove(label, code)
+        self.requests.forget("model", label)
         self.refused.remove(label)
 
 

@@ -104,6 +104,12 @@ class LoopCounter(Collector):
             found = self._children[labels] = _Count()
         return found
 
+    def forget(self, label: str, value: str) -> None:
+        """Drop every series whose ``label`` is ``value`` (a model no backend serves any more)."""
+        at = self._labelnames.index(label)
+        for labels in [k for k in self._children if k[at] == value]:
+            del self._children[labels]
+
     def collect(self) -> Iterator[Metric]:
         metric = Metric(self._name, self._doc, "counter")
         for labels, count in list(self._children.items()):
@@ -243,7 +249,7 @@ class ProxyMetrics:
         return child
 
     def count_request(self, route: str, status: int, dialect: str) -> None:
-        self.requests.child(route, _STATUS.get(status) or str(status), dialect).value += 1
+        self.requests.child(route, status_label(status), dialect).value += 1
 
     def observe_leg(self, leg: str, backend: str, seconds: float) -> None:
         self.leg_latency.observe((leg, backend), seconds)
@@ -257,3 +263,7 @@ class ProxyMetrics:
 
 _STATUS = {code: str(code) for code in range(100, 600)}
 """Each status's label, made once (``str(status)`` on every request otherwise)."""
+
+
+def status_label(status: int) -> str:
+    return _STATUS.get(status) or str(status)
