@@ -1,0 +1,34 @@
+"""The hot path's budget in Python calls per proxied PD request (``loadtest.profile_proxy``).
+
+Counts, not timings: a non-stream request makes the same calls however busy the machine is
+(576 at the last change); a stream's count moves with how its chunks coalesce into reads
+(618-679 for 64 chunks). A change that crosses a budget must say what it buys in its commit
+and raise the number here, measured with ``python -m loadtest.profile_proxy --callers 30``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+BUDGET = {"completions": 600, "chat": 600, "completions-stream": 760}
+
+
+@pytest.mark.slow
+def test_a_pd_request_stays_within_the_call_budget() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.profile_proxy", "--requests", "50", "--top", "0",
+         "--kind", *BUDGET],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    counted = {
+        m["kind"]: int(m["calls"])
+        for m in re.finditer(r"^(?P<kind>[\w-]+)\s+(?P<calls>\d+) calls/request", done.stdout, re.M)
+    }
+    assert set(counted) == set(BUDGET), done.stdout
+    over = {kind: calls for kind, calls in counted.items() if calls > BUDGET[kind]}
+    assert not over, f"over the budget {BUDGET}: {over}"
