@@ -25,10 +25,11 @@ either.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
+
+from kvtier.token_bucket import TokenBuckets
 
 _MAX_TRACKED_PEERS = 4096
 
@@ -90,12 +91,6 @@ class ServerCounters:
         )
 
 
-@dataclass(slots=True)
-class _Bucket:
-    tokens: float
-    updated: float
-
-
 class Evictable(Protocol):
     def evict(self) -> None:
         """Close this pending connection now (it may be called before it ever ran)."""
@@ -118,13 +113,11 @@ class HandshakeAdmission(Generic[C]):
         clock: Callable[[], float] = time.monotonic,
         max_tracked_peers: int = _MAX_TRACKED_PEERS,
     ) -> None:
-        self._rate = rate_per_s
-        self._burst = float(burst)
         self._max_pending = max_pending
         self._max_pending_per_peer = max_pending_per_peer
-        self._clock = clock
-        self._max_tracked = max_tracked_peers
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._buckets = TokenBuckets(
+            rate_per_s, float(burst), max_keys=max_tracked_peers, clock=clock
+        )
         self._pending: dict[str, dict[C, int]] = {}
         """Per address, its pending connections (oldest first) and the order they came in."""
         self._arrivals = 0
@@ -138,10 +131,8 @@ class HandshakeAdmission(Generic[C]):
         mine = self._pending.get(peer)
         if mine is not None and len(mine) >= self._max_pending_per_peer:
             return "too many handshakes in progress from this peer"
-        bucket = self._bucket(peer)
-        if bucket.tokens < 1.0:
+        if not self._buckets.take(peer):
             return "handshake rate limit"
-        bucket.tokens -= 1.0
         if self.pending_total >= self._max_pending:
             self._evict_one()
         self._pending.setdefault(peer, {})[conn] = self._arrivals
@@ -158,8 +149,7 @@ class HandshakeAdmission(Generic[C]):
             if not mine:
                 del self._pending[peer]
         if authenticated:
-            bucket = self._bucket(peer)
-            bucket.tokens = min(bucket.tokens + 1.0, self._burst)
+            self._buckets.give_back(peer)
 
     def _evict_one(self) -> None:
         """The oldest connection of the address with the most pending ones (oldest first on a
@@ -174,17 +164,3 @@ class HandshakeAdmission(Generic[C]):
         self.pending_total -= 1
         self.evicted_total += 1
         conn.evict()
-
-    def _bucket(self, peer: str) -> _Bucket:
-        now = self._clock()
-        bucket = self._buckets.get(peer)
-        if bucket is None:
-            bucket = self._buckets[peer] = _Bucket(self._burst, now)
-            while len(self._buckets) > self._max_tracked:
-                self._buckets.popitem(last=False)
-        else:
-            self._buckets.move_to_end(peer)
-            elapsed = max(now - bucket.updated, 0.0)
-            bucket.tokens = min(bucket.tokens + elapsed * self._rate, self._burst)
-            bucket.updated = now
-        return bucket

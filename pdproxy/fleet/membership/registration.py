@@ -65,16 +65,20 @@ from prometheus_client import CollectorRegistry, Counter
 from kvtier.announce import Announcement, decode
 from kvtier.errors import AnnouncementError
 from kvtier.events.curve import ZapHandler, load_server, make_server
+from kvtier.token_bucket import TokenBucket, TokenBuckets
 from pdproxy.fleet.membership.errors import AnnouncementRefused, MemberConflict, MemberRemoved
 from pdproxy.fleet.membership.fabric import address_gate, fabric_owner, fabric_socket
 from pdproxy.fleet.membership.keys import AdmittedKeys, KeyChange, key_gate
 from pdproxy.fleet.membership.members import Membership
-from pdproxy.fleet.membership.rates import TokenBucket
 from pdproxy.settings import BackendConfig, Dialect
 from pdproxy.settings.backends import Role
 from pdproxy.settings.membership import RegistrationSettings
 
 log = logging.getLogger(__name__)
+
+_MAX_TRACKED_SENDERS = 4096
+"""Per-sender rate buckets kept (admitted keys, trusted-fabric source addresses): the least
+recently heard from past it are forgotten, so a fabric of many addresses cannot grow the table."""
 
 SOURCE = "registration"
 GENERATED_PREFIX = "reg-"
@@ -102,12 +106,15 @@ class RegistrationListener:
         self._membership = membership
         self._clock = clock
         self._networks = [ipaddress.ip_network(n, strict=False) for n in settings.allowed_networks]
-        now = clock()
-        self._all = TokenBucket(settings.max_messages_per_s, settings.max_messages_per_s, now)
+        everyone = settings.max_messages_per_s
+        self._all = TokenBucket.full(everyone, max(everyone, 1.0), clock())
         self._fabric_networks = [
             ipaddress.ip_network(n, strict=False) for n in settings.trusted_fabric.networks
         ]
-        self._per_key: dict[str, TokenBucket] = {}
+        per_key = settings.max_messages_per_key_s
+        self._per_key = TokenBuckets(
+            per_key, max(per_key, 1.0), max_keys=_MAX_TRACKED_SENDERS, clock=clock
+        )
         self._sockets: list[tuple[zmq.asyncio.Context, ZapHandler, zmq.asyncio.Socket]] = []
         """Per bound socket: its own context (one ZAP handler per context) and handler."""
         self._gate: ZapHandler | None = None
@@ -259,7 +266,7 @@ class RegistrationListener:
             return None
         for key in change.revoked:
             owner = key_id(key)
-            self._per_key.pop(key, None)
+            self._per_key.forget(key)
             for member in self._membership.members(SOURCE):
                 if member.owner == owner:
                     self._membership.leave(member.name, "client key revoked")
@@ -278,13 +285,9 @@ class RegistrationListener:
         ):
             return "revoked"  # a connection made before its key was revoked
         owner = key_id(client_key) if client_key is not None else fabric_owner(peer)
-        now = self._clock()
-        bucket_key = client_key if client_key is not None else owner
-        bucket = self._per_key.get(bucket_key)
-        if bucket is None:
-            rate = self._settings.max_messages_per_key_s
-            bucket = self._per_key[bucket_key] = TokenBucket(rate, rate, now)
-        if not self._all.take(now) or not bucket.take(now):
+        if not self._all.take(self._clock()):
+            return "rate"
+        if not self._per_key.take(client_key if client_key is not None else owner):
             return "rate"
         try:
             announcement = decode(payload)
