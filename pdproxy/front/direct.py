@@ -7,10 +7,11 @@ each response header with two regular expressions. For ``POST /v1/completions`` 
 ``POST /v1/chat/completions`` the protocol builds a :class:`DirectExchange` instead, which is the
 connection's current cycle as far as the protocol's own code is concerned (it has the attributes
 uvicorn's protocol reads and writes: ``body``, ``more_body``, ``message_event``,
-``disconnected``, ``response_complete``, ``keep_alive``, ``run_asgi``) and which hands the
-request path a :class:`DirectRequest` (headers indexed once, ``receive``) and writes the path's
-response objects, the same ones an ASGI server gets, through its own :meth:`DirectExchange.send`:
-one response abstraction (ASGI's messages), two writers (uvicorn's cycle and this one).
+``disconnected``, ``response_complete``, ``keep_alive``, ``run_asgi``), which is the request
+the path reads (headers indexed once, ``receive``, the body as it :meth:`~DirectExchange.arrived`)
+and which writes the path's response objects, the same ones an ASGI server gets, through its own
+:meth:`DirectExchange.send`: one response abstraction (the ASGI messages the path's responses
+send), two writers (uvicorn's cycle and this one).
 
 What stays exactly as uvicorn's cycle does it, since clients see it: the status line and
 default headers (``date``), chunked framing when no ``content-length`` was given,
@@ -94,7 +95,8 @@ class DirectExchange:
     request's :class:`~pdproxy.front.request.DisconnectHook`, and :meth:`arrived`)."""
 
     __slots__ = (
-        "_chunked", "_endpoint", "_flow", "_head", "_logger", "_protocol", "_remaining",
+        "_chunked", "_endpoint", "_flow", "_head", "_http_version", "_logger", "_protocol",
+        "_remaining",
         "_routes", "_started", "_transport", "body", "disconnected", "headers", "keep_alive",
         "message_event", "more_body", "on_response", "response_complete", "scope",
         "waiting_for_100_continue",
@@ -109,6 +111,7 @@ class DirectExchange:
         *,
         keep_alive: bool,
         expect_100_continue: bool,
+        http_version: str,
     ) -> None:
         self._protocol = protocol
         self._transport = protocol.transport
@@ -116,6 +119,7 @@ class DirectExchange:
         self._logger = protocol.logger
         self._routes = routes
         self._endpoint = endpoint
+        self._http_version = http_version
         self.on_response: Callable[[], None] = protocol.on_response_complete
         self.scope: dict[str, Any] = {"type": "http", DISCONNECT_HOOK: DisconnectHook()}
         self.headers: Headers = IndexedHeaders.of(headers)
@@ -256,7 +260,7 @@ class DirectExchange:
                 "%s:%d" % client if client else "",  # noqa: UP031 (uvicorn's own format)
                 "POST",
                 self._endpoint.path,
-                protocol.parser.get_http_version(),
+                self._http_version,
                 status,
             )
         pairs = (*protocol.server_state.default_headers, *headers)

@@ -154,10 +154,11 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         """A hot request: its exchange becomes the connection's cycle (queued behind the one
         in progress, as uvicorn queues a pipelined request, with reading paused)."""
         parser = self.parser
+        version = parser.get_http_version()
         exchange = DirectExchange(
             self, hot, endpoint, self.headers,
-            keep_alive=parser.get_http_version() != "1.0" and parser.should_keep_alive(),
-            expect_100_continue=self.expect_100_continue,
+            keep_alive=version != "1.0" and parser.should_keep_alive(),
+            expect_100_continue=self.expect_100_continue, http_version=version,
         )  # fmt: skip
         existing = self.cycle
         self.cycle = exchange  # type: ignore[assignment]

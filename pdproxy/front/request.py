@@ -3,8 +3,8 @@
 :class:`ClientRequest` is what :meth:`pdproxy.request.path.RequestPath.handle` needs: the
 headers, ASGI's ``receive`` (the body, a disconnect) and a scope that may carry the server's
 :class:`DisconnectHook`. Starlette's ``Request`` is one (:class:`HotRequest` under any ASGI
-server); :class:`pdproxy.front.direct.DirectRequest` is the other (``pdproxy serve``'s direct
-hot routes).
+server); :class:`pdproxy.front.direct.DirectExchange` is the other (``pdproxy serve``'s direct
+hot routes; it also offers the body that has all arrived, ``arrived``).
 
 Headers are looked up in O(1) (:class:`IndexedHeaders`): Starlette's ``Headers.get`` scans the
 header list and raises (then catches) ``KeyError`` for an absent header; the request path asks
