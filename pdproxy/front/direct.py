@@ -38,20 +38,17 @@ import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Message
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from pdproxy.errors import BodyTooLarge
 from pdproxy.front.intake import Endpoint
 from pdproxy.front.request import DISCONNECT_HOOK, DisconnectHook, IndexedHeaders
-
-if TYPE_CHECKING:
-    from pdproxy.front.protocol import ProxyHttpProtocol
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +101,7 @@ class DirectExchange:
 
     def __init__(
         self,
-        protocol: ProxyHttpProtocol,
+        protocol: HttpToolsProtocol,
         routes: HotRoutes,
         endpoint: Endpoint,
         headers: list[tuple[bytes, bytes]],
