@@ -95,7 +95,7 @@ class DirectExchange:
         "_chunked", "_endpoint", "_flow", "_head", "_http_version", "_logger", "_protocol",
         "_remaining",
         "_routes", "_started", "_transport", "body", "disconnected", "headers", "keep_alive",
-        "message_event", "more_body", "on_response", "response_complete", "scope",
+        "message_event", "more_body", "on_response", "received", "response_complete", "scope",
         "waiting_for_100_continue",
     )  # fmt: skip
 
@@ -126,6 +126,9 @@ class DirectExchange:
         self.waiting_for_100_continue = expect_100_continue
         self.body = bytearray()
         self.more_body = True
+        self.received = False
+        """:meth:`receive` was called: the body is being read through it (a queued request
+        listens while it waits), so :meth:`arrived` has nothing to give."""
         self.response_complete = False
         self._started = False
         self._chunked = True
@@ -173,7 +176,7 @@ class DirectExchange:
         owed first: no ``100 Continue`` to send, no disconnect to report): what
         :meth:`receive` would hand over, taken without a message, a wait or a deadline timer.
         None: read it through :meth:`receive`. 413 past ``limit``."""
-        if self.more_body or self.waiting_for_100_continue or self.disconnected:
+        if self.received or self.more_body or self.waiting_for_100_continue or self.disconnected:
             return None
         body = bytes(self.body)
         if len(body) > limit:
@@ -184,6 +187,7 @@ class DirectExchange:
 
     async def receive(self) -> Message:
         """ASGI's ``receive`` as uvicorn's cycle answers it (``100 Continue`` first)."""
+        self.received = True
         if self.waiting_for_100_continue and not self._transport.is_closing():
             self._transport.write(_CONTINUE)
             self.waiting_for_100_continue = False

@@ -208,7 +208,9 @@ class RequestPath:
             record.stage = "read"
         # Under pdproxy serve's direct routes a body that has all arrived is taken as it is
         # (no receive() message, no deadline timer: nothing is left to wait for).
-        raw = request.arrived(self._max_body) if type(request) is DirectExchange else None
+        raw = None
+        if received is None and type(request) is DirectExchange:
+            raw = request.arrived(self._max_body)
         if raw is None:
             raw = await read_body(request.receive, self._max_body, self._body_timeout_s, received)
         body = decode_body(raw)

@@ -152,6 +152,16 @@ def _counted(state: ProxyState, name: str, **labels: str) -> float:
     return state.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+def _requests(state: ProxyState) -> dict[tuple[tuple[str, str], ...], float]:
+    """``pdproxy_requests_total``'s samples, by labels."""
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for metric in state.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "pdproxy_requests_total"
+    }
+
+
 _COMPLETION = orjson.dumps({"model": "fake-model", "prompt": "hello", "max_tokens": 4})
 _CHAT_STREAM = orjson.dumps(
     {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -185,9 +195,8 @@ async def test_the_same_requests_get_the_same_answers(fake: FakeFactory) -> None
                 "completion": b"200", "chat stream": b"200", "http/1.0": b"200",
                 "connection close": b"200", "query string (asgi route)": b"200",
             }.get(name, name[:3].encode()), (name, got[0][0].head)  # fmt: skip
-        assert _counted(direct.state, "pdproxy_requests_total") == _counted(
-            asgi.state, "pdproxy_requests_total"
-        )
+        assert _requests(direct.state) == _requests(asgi.state)
+        assert sum(_requests(direct.state).values()) == len(_REQUESTS)
         for s in (asgi, direct):
             assert all(b.in_flight == 0 for b in s.state.registry.all())
 
@@ -326,3 +335,19 @@ async def test_a_reader_that_stops_reading_pauses_the_answer(
         assert max(buffered) <= 2**20
         writer.close()
         await eventually(lambda: all(b.in_flight == 0 for b in s.state.registry.all()), 10)
+
+
+async def test_a_queued_request_is_served_once_admitted(fake: FakeFactory) -> None:
+    """A request that waits for a slot listens to its client meanwhile (its body is read through
+    ``receive``): once admitted it is served whole, as through ASGI."""
+    p, d = await fake("P"), await fake("D", first_chunk_delay_s=0.3)
+    settings = _settings(d, p, admission={"max_concurrent": 1, "queue_size": 4})
+    raw = _post("/v1/completions", _COMPLETION)
+    async with _both(settings) as (asgi, direct):
+        got = []
+        for s in (asgi, direct):
+            answers = await asyncio.gather(*(_exchange(s.port, raw) for _ in range(3)))
+            got.append([a[0] for a in answers])
+            assert sum(_requests(s.state).values()) == 3
+        assert got[0] == got[1]
+        assert all(a.head.startswith(b"HTTP/1.1 200") for a in got[0])
