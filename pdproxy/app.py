@@ -44,7 +44,7 @@ from pdproxy.fleet.models import ModelCatalog, ModelLearner, ModelList
 from pdproxy.front.admission import Admission, ModelAdmission, ModelMetrics
 from pdproxy.front.connections import ConnectionGate, ConnectionMetrics
 from pdproxy.front.intake import ENDPOINTS, ClientKeys, Endpoint
-from pdproxy.front.protocol import HotRequest
+from pdproxy.front.request import HotRequest
 from pdproxy.front.responses import client_error_response, error_response
 from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.request.path import RequestPath
@@ -184,11 +184,7 @@ class ProxyApp(FastAPI):
             endpoint = ENDPOINTS.get(scope["path"])
             if endpoint is not None:
                 request = HotRequest(scope, receive)
-                try:
-                    response = await self.pdproxy_state.request_path.handle(request, endpoint)
-                except Exception:
-                    log.exception("unhandled error on %s", scope["path"])
-                    response = error_response(500, "internal proxy error", code="internal_error")
+                response = await self.pdproxy_state.request_path.answer(request, endpoint)
                 await response(scope, receive, send)
                 return
         state = self.pdproxy_state

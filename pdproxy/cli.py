@@ -143,7 +143,8 @@ def serve_process(
         loop="uvloop",
         # Connection limits, head deadline and size: the protocol's gate, not limit_concurrency
         # (which counted silent sockets against the cap of requests in progress).
-        http=gated_protocol(state.connections),
+        # The hot routes answered without the ASGI cycle (pdproxy.front.direct).
+        http=gated_protocol(state.connections, hot=state.request_path),
         access_log=False,
         proxy_headers=False,
         server_header=False,

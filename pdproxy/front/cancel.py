@@ -3,7 +3,7 @@
 One :class:`RequestCanceller` per request learns of the client's disconnect and cancels the
 request's own task, but only while an *armed* section (an upstream leg, a relay) is running.
 Under ``pdproxy serve`` the server calls it through the request's
-:class:`~pdproxy.front.protocol.DisconnectHook` (no task at all); under any other ASGI server it
+:class:`~pdproxy.front.request.DisconnectHook` (no task at all); under any other ASGI server it
 watches the ``receive`` channel for ``http.disconnect`` with one watcher task per request (no
 extra task per leg). :class:`IdleWatchdog` fires the same
 canceller when no consumer chunk arrived for ``idle_s``, with one timer per stream.
@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.types import Receive
 
-from pdproxy.front.protocol import DisconnectHook
+from pdproxy.front.request import DisconnectHook
 
 CLIENT_DISCONNECT = "client_disconnect"
 CONSUMER_IDLE = "consumer_idle"

@@ -15,45 +15,44 @@ a request head, caps heads at ``max_head_bytes`` (uvicorn's httptools protocol b
 any size: 190 MiB in 1.4 s here) and answers 503 past ``max_connections`` requests in progress
 (uvicorn's own ``limit_concurrency`` counted every open socket; it is left unset).
 
-The request object of the two hot routes: Starlette's, with headers looked up in O(1).
+Hot routes (:mod:`pdproxy.front.direct`): a class made with ``hot=`` answers
+``POST /v1/completions`` and ``POST /v1/chat/completions`` without the ASGI cycle: the
+request's :class:`~pdproxy.front.direct.DirectExchange` takes the place of uvicorn's
+``RequestResponseCycle`` (the protocol's own code drives it unchanged: body, pipelining,
+keep-alive, disconnect, shutdown) and calls the request path itself. The gate, the head cap
+and the 503 at ``max_connections`` come first, as for every request.
 
-Starlette's ``Headers.get`` scans the header list and raises (then catches) ``KeyError`` for an
-absent header; the request path asks for four or five headers, most of them absent
-(``x-request-id``, ``traceparent``, ``baggage``, ...). Here the list is indexed once, keeping
-Starlette's answer for a repeated header (the first one), so behaviour is unchanged.
+Callbacks run on the event loop (they are the transport's and the parser's) and must not block.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, MutableMapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from starlette.datastructures import Headers
-from starlette.requests import Request
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdproxy.front.connections import ConnectionGate
+from pdproxy.front.direct import HOT_URLS, DirectExchange, HotRoutes
+from pdproxy.front.intake import Endpoint
+from pdproxy.front.request import DISCONNECT_HOOK, DisconnectHook, HotRequest, IndexedHeaders
 
-DISCONNECT_HOOK = "pdproxy.disconnect_hook"
-"""Scope key of the request's :class:`DisconnectHook` (absent: no such server)."""
-
-
-class DisconnectHook:
-    """Set by the server per request: ``lost`` once the client left while the request ran,
-    and ``callback`` (set by the request) called then."""
-
-    __slots__ = ("callback", "lost")
-
-    def __init__(self) -> None:
-        self.callback: Callable[[], None] | None = None
-        self.lost = False
+__all__ = [
+    "DISCONNECT_HOOK",
+    "DisconnectHook",
+    "HotRequest",
+    "IndexedHeaders",
+    "ProxyHttpProtocol",
+    "gated_protocol",
+]
 
 
 class ProxyHttpProtocol(HttpToolsProtocol):
     gate: ClassVar[ConnectionGate | None] = None
     """Set on the class :func:`gated_protocol` makes; None: uvicorn's own connection handling."""
+    hot: ClassVar[HotRoutes | None] = None
+    """Who answers the hot routes directly (with a gate only); None: every request is ASGI's."""
 
     _source: str | None
     _head_bytes: int
@@ -91,27 +90,83 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self._close_with(431, b"request head too large")
 
     def on_message_begin(self) -> None:
+        if self.hot is not None:
+            # uvicorn's scope waits for on_headers_complete: a direct request needs none.
+            self.url = b""
+            self.expect_100_continue = False
+            self.headers = []
+            return
         super().on_message_begin()
         self.scope[DISCONNECT_HOOK] = DisconnectHook()  # type: ignore[literal-required]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's, with the value's trailing whitespace stripped only when there is some
+        # (a call per header saved on every request).
+        name = name.lower()
+        if value and value[-1] in _OWS:
+            value = value.rstrip(b" \t")
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
+
+    def _asgi_headers_complete(self) -> None:
+        if self.hot is not None:
+            # uvicorn's scope, made now over the head already parsed (its on_message_begin
+            # starts the URL and the header list afresh: they are put back).
+            url, headers, expect = self.url, self.headers, self.expect_100_continue
+            super().on_message_begin()
+            self.url, self.headers, self.expect_100_continue = url, headers, expect
+            self.scope["headers"] = headers
+            self.scope[DISCONNECT_HOOK] = DisconnectHook()  # type: ignore[literal-required]
+        super().on_headers_complete()
 
     def on_headers_complete(self) -> None:
         self._head_done = True
         gate = self.gate
         if gate is None:
-            super().on_headers_complete()
+            self._asgi_headers_complete()
             return
         if self._waiting:
             self._waiting = False
             gate.done(self)
         if len(self.tasks) < gate.max_in_progress:
-            super().on_headers_complete()
+            hot = self.hot
+            endpoint = HOT_URLS.get(self.url) if hot is not None else None
+            if (
+                endpoint is None
+                or self.parser.get_method() != b"POST"
+                or self.parser.should_upgrade()
+                or self.root_path
+            ):
+                self._asgi_headers_complete()
+                return
+            assert hot is not None
+            self._exchange(hot, endpoint)
             return
         gate.refuse(self, "max_connections")
         app, self.app = self.app, service_unavailable  # 503 + connection: close
         try:
-            super().on_headers_complete()
+            self._asgi_headers_complete()
         finally:
             self.app = app
+
+    def _exchange(self, hot: HotRoutes, endpoint: Endpoint) -> None:
+        """A hot request: its exchange becomes the connection's cycle (queued behind the one
+        in progress, as uvicorn queues a pipelined request, with reading paused)."""
+        parser = self.parser
+        version = parser.get_http_version()
+        exchange = DirectExchange(
+            self, hot, endpoint, self.headers,
+            keep_alive=version != "1.0" and parser.should_keep_alive(),
+            expect_100_continue=self.expect_100_continue, http_version=version,
+        )  # fmt: skip
+        existing = self.cycle
+        self.cycle = exchange  # type: ignore[assignment]
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(exchange, self.app)  # type: ignore[arg-type]
+        else:
+            self.flow.pause_reading()
+            self.pipeline.appendleft((exchange, self.app))  # type: ignore[arg-type]
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -159,47 +214,19 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                     callback()
 
 
+_OWS = (0x20, 0x09)
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
-def gated_protocol(gate: ConnectionGate) -> type[ProxyHttpProtocol]:
+def gated_protocol(gate: ConnectionGate, hot: HotRoutes | None = None) -> type[ProxyHttpProtocol]:
     """:class:`ProxyHttpProtocol` whose connections pass ``gate``: the class for uvicorn's
-    ``http=`` (uvicorn makes one protocol per connection, from a class)."""
+    ``http=`` (uvicorn makes one protocol per connection, from a class). ``hot``: answers the
+    hot routes without ASGI (``pdproxy serve`` passes its app's request path); None: the app
+    answers them through ASGI, as under any other server."""
 
     class GatedProxyHttpProtocol(ProxyHttpProtocol):
         pass
 
     GatedProxyHttpProtocol.gate = gate
+    GatedProxyHttpProtocol.hot = hot
     return GatedProxyHttpProtocol
-
-
-class IndexedHeaders(Headers):
-    """:class:`Headers` whose ``get``/``[]``/``in`` use a dict of each name's first value."""
-
-    def __init__(self, scope: MutableMapping[str, Any]) -> None:
-        super().__init__(scope=scope)
-        first: dict[bytes, bytes] = {}
-        for key, value in reversed(self._list):  # names are lower case in ASGI
-            first[key] = value
-        self._first = first
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self._first.get(key.lower().encode("latin-1"))
-        return default if value is None else value.decode("latin-1")
-
-    def __getitem__(self, key: str) -> str:
-        value = self._first.get(key.lower().encode("latin-1"))
-        if value is None:
-            raise KeyError(key)
-        return value.decode("latin-1")
-
-    def __contains__(self, key: Any) -> bool:
-        return isinstance(key, str) and key.lower().encode("latin-1") in self._first
-
-
-class HotRequest(Request):
-    @property
-    def headers(self) -> Headers:
-        if not hasattr(self, "_headers"):
-            self._headers = IndexedHeaders(self.scope)
-        return self._headers

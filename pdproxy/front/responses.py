@@ -41,6 +41,22 @@ def client_error_response(
     )
 
 
+def relayed_response(body: bytes, status: int, headers: Mapping[str, str]) -> Response:
+    """``Response(body, status_code=status, headers=headers)``, the same object and raw headers
+    (``content-length`` added as Starlette adds it), built without Starlette's generic
+    ``__init__``: this runs for every non-stream answer. ``headers``' names are lower case (the
+    consumer's relayed headers: :data:`pdproxy.request.consumer._RELAYED_HEADERS`)."""
+    response = Response.__new__(Response)
+    response.status_code = status
+    response.background = None
+    response.body = body
+    raw = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+    if "content-length" not in headers and not (status < 200 or status in (204, 304)):
+        raw.append((b"content-length", b"%d" % len(body)))
+    response.raw_headers = raw
+    return response
+
+
 def stream_error_event(message: str, code: str) -> bytes:
     """An SSE event carrying an OpenAI-shaped error, to end a stream that already started."""
     return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from pdproxy.errors import LegFailed, LegRefused, NoBackendAvailable
 from pdproxy.fleet.backends import Backend
 from pdproxy.fleet.dp_ranks import with_rank_header
+from pdproxy.front.responses import relayed_response
 from pdproxy.front.tenants import hide_cached_tokens
 from pdproxy.observe.metrics import ProxyMetrics
 from pdproxy.request.failover import MigratingRelay
@@ -140,12 +141,12 @@ class ConsumerPhase:
                 self._metrics.observe_leg("consumer", consumer.name, time.perf_counter() - t)
                 return ConsumerResult(
                     consumer.name,
-                    Response(
+                    relayed_response(
                         hide_cached_tokens(opened.first)
                         if record.hides_cached_tokens
                         else opened.first,
-                        status_code=status,
-                        headers=relayed,
+                        status,
+                        relayed,
                     ),
                     first_byte - t,
                     find_cached_tokens(opened.first),
