@@ -3,8 +3,9 @@
 Counts, not timings: a non-stream request makes the same calls however busy the machine is
 (516 at the last change: ``pdproxy serve``'s direct hot routes, 576 before); a stream's count
 moves with how its chunks coalesce into reads (552-591 for 64 chunks, 618-679 before). The
-budgets are those figures and ~4% (the stream's over the top of its range as it was, less what
-the direct routes saved: ~630). A change that crosses a budget must say what it buys in its commit
+non-stream budget is that figure and ~4%: the exact guard. The stream's is looser (the top of
+its range and ~13%), since a quiet machine reads chunks one by one and a busy one coalesces
+them; it catches a per-chunk cost, not a per-request one. A change that crosses a budget must say what it buys in its commit
 and raise the number here, measured with ``python -m loadtest.profile_proxy --callers 30``.
 """
 
@@ -16,7 +17,7 @@ import sys
 
 import pytest
 
-BUDGET = {"completions": 537, "chat": 537, "completions-stream": 655}
+BUDGET = {"completions": 537, "chat": 537, "completions-stream": 700}
 
 
 @pytest.mark.slow
