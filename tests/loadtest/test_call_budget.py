@@ -5,8 +5,9 @@ Counts, not timings: a non-stream request makes the same calls however busy the 
 moves with how its chunks coalesce into reads (552-591 for 64 chunks, 618-679 before). The
 non-stream budget is that figure and ~4%: the exact guard. The stream's is looser (the top of
 its range and ~13%), since a quiet machine reads chunks one by one and a busy one coalesces
-them; it catches a per-chunk cost, not a per-request one. A change that crosses a budget must say what it buys in its commit
-and raise the number here, measured with ``python -m loadtest.profile_proxy --callers 30``.
+them; it catches a per-chunk cost, not a per-request one. A change that crosses a budget must
+say what it buys in its commit and raise the number here, measured with
+``python -m loadtest.profile_proxy --callers 30``.
 """
 
 from __future__ import annotations
