@@ -311,10 +311,12 @@ class TtftSettings(BaseModel):
     bypass: bool | None = Field(
         default=None,
         description="true: once warm, the prediction decides whether the consumer prefills "
-        "alone; false: `local_prefill`'s thresholds decide that and the prediction ranks only "
-        "the ways of the kind they chose. Unset: true, unless `local_prefill` never lets a "
-        "consumer prefill alone (`max_suffix_tokens: 0, min_hit_ratio: 1.0`: an operator's "
-        "always-disaggregated pool stays so)",
+        "alone, even with a line borrowed from the pool; false: `local_prefill`'s thresholds "
+        "decide that and the prediction ranks only the ways of the kind they chose. Unset: the "
+        "prediction overturns the thresholds' kind only with a way whose lines are its nodes' "
+        "own (a consumer observed prefilling alone, transfers timed), and never when "
+        "`local_prefill` keeps every request disaggregated (`max_suffix_tokens: 0, "
+        "min_hit_ratio: 1.0`: an operator's always-disaggregated pool stays so)",
     )
 
     @model_validator(mode="after")

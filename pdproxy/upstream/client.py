@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import orjson
 
 from pdproxy.errors import LegFailed, LegRefused
 from pdproxy.origin import Origin, base_prefix, split_url
@@ -78,13 +80,55 @@ class LegDeadline:
         self._timer.cancel()
 
 
+_PREAMBLE_CAP = 64 * 1024
+"""Bytes of chat preamble read at most before a stream is committed regardless."""
+
+
+def preamble_only(data: bytes) -> bool:
+    """The start of a stream holds no output yet: only chat role chunks (a delta with the
+    assistant role and empty content, no finish), and maybe half an event after them.
+
+    vLLM sends its role chunk with the first token; other engines (the reference worker,
+    SGLang) send it as soon as the request is accepted, before prefill. A leg is committed to
+    the client, and its first byte timed, at its first output: a consumer that fails during
+    prefill can still be retried, and the TTFT the router learns from is a token's, not the
+    role chunk's (a consumer read as prefilling in ~3 ms took every request alone). Anything
+    this cannot read as a preamble counts as output."""
+    if b'"role"' not in data:  # completions, and chat chunks after the first: one check
+        return False
+    events = data.split(b"\n\n")
+    # The last part is an unfinished event (or b""): not judged until it ends.
+    return all(_is_preamble(event) for event in events[:-1])
+
+
+def _is_preamble(event: bytes) -> bool:
+    payload = event.strip()
+    if not payload.startswith(b"data:"):
+        return False
+    try:
+        chunk: Any = orjson.loads(payload[5:])
+    except orjson.JSONDecodeError:
+        return False
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not choices or not isinstance(choices, list):
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or choice.get("finish_reason") is not None:
+            return False
+        if delta.get("content") or any(k not in ("role", "content") for k in delta):
+            return False
+    return True
+
+
 @dataclass(slots=True)
 class ConsumerOpened:
-    """A consumer leg whose headers (and first chunk, for streams) have arrived."""
+    """A consumer leg whose headers (and first output, for streams) have arrived."""
 
     response: Response
     first: bytes
-    """The whole body for non-stream legs, else the first chunk (b"" if none)."""
+    """The whole body for non-stream legs, else the stream's bytes up to and including its
+    first output (:func:`preamble_only`; b"" if the stream ended before any)."""
     complete: bool
     """True when ``first`` is the whole body and the connection is released."""
 
@@ -143,7 +187,8 @@ class Upstream:
     async def open_consumer_leg(
         self, backend: LegTarget, path: str, body: bytes, headers: dict[str, str], stream: bool
     ) -> ConsumerOpened:
-        """POST the consumer leg; return once it can be committed to the client.
+        """POST the consumer leg; return once it can be committed to the client: a stream at
+        its first output (a chat role chunk sent before it is read with it).
 
         Bounded by the first-byte timeout. Non-2xx answers raise (LegFailed/LegRefused).
         """
@@ -159,6 +204,11 @@ class Upstream:
                 )
                 return ConsumerOpened(resp, data, complete=True)
             first = await resp.read_chunk()
+            while first and len(first) < _PREAMBLE_CAP and preamble_only(first):
+                more = await resp.read_chunk()
+                if not more:
+                    break
+                first += more
             return ConsumerOpened(resp, first, complete=False)
         except HttpClientError as exc:
             if resp is not None:

@@ -71,10 +71,19 @@ class DecayedFit:
         d = self._decay
         self._sums = [v * d for v in self._sums]
         # Relative errors are what a prediction is judged by (a 30 ms leg predicted 110 ms is
-        # worse than a 1 s leg predicted 1.08 s), so each observation weighs 1/y^2, scaled so
-        # that an average one weighs 1 (what the anchor's weight is measured against).
-        raw = 1.0 / max(y, _Y_FLOOR) ** 2
-        self._scale = raw if self._scale == 0.0 else d * self._scale + (1.0 - d) * raw
+        # worse than a 1 s leg predicted 1.08 s), so each observation weighs 1/(y x y^), y^
+        # the line's own prediction at x, scaled so that an average one weighs 1 (what the
+        # anchor's weight is measured against). Not 1/y^2: that favours the legs that came
+        # out fast (one that waited 250 ms behind work the backlog did not see weighed 1/25 of
+        # a 50 ms one at the same work), so the line learned a node's best case, its backlog
+        # drained too fast, and a node under a burst looked idle. Not 1/y^^2 either (no bias
+        # at one work, but a line that over-predicts comes down only as fast as it forgets):
+        # the product weighs a leg 5x slower and one 5x faster than the line alike.
+        raw = 1.0 / (max(self.line.at(x), _Y_FLOOR) * max(y, _Y_FLOOR))
+        # The scale follows the observed times, so a line far below them (a seed, or a node
+        # that slowed down) weighs its observations above the anchor until it has caught up.
+        seen = 1.0 / max(y, _Y_FLOOR) ** 2
+        self._scale = seen if self._scale == 0.0 else d * self._scale + (1.0 - d) * seen
         _add(self._sums, x, y, raw / self._scale)
         sums = [a + b for a, b in zip(self._sums, self._anchor, strict=True)]
         self.line = self._solve(sums, self.line.samples + 1)

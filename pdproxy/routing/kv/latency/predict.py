@@ -14,11 +14,11 @@ tokens past the node's cached prefix (engines compute at least the last token).
 :func:`choose`: with no target, the lowest prediction. With a target, among the ways that
 meet it (and, for a class that yields, find at most ``yield_cap_ms`` queued ahead on the node
 that prefills: batch work starts only where interactive work is not queueing), the fastest
-(ways within ``explore_share`` of it are ties, won by the prefill node observed longest ago, so
-a node whose speed changed is relearned), or for ``placement="headroom"`` the slowest within
-``headroom_share`` of the target (the fast nodes stay free for others). None meets it: a
-sheddable request is shed (its ``Retry-After`` is how far over the best way is), any other
-gets the lowest prediction.
+(ways within ``explore_share`` of it are ties, won by the way that prefills least, then by the
+prefill node observed longest ago, so a node whose speed changed is relearned), or for
+``placement="headroom"`` the slowest within ``headroom_share`` of the target (the fast nodes
+stay free for others). None meets it: a sheddable request is shed (its ``Retry-After`` is how
+far over the best way is), any other gets the lowest prediction.
 Ties break by name, so replicas given the same state agree.
 """
 
@@ -63,10 +63,14 @@ class Way:
     """The request's own uncached tokens there (what it adds to that node's backlog)."""
     ahead_ms: float
     """What the prefill node has queued ahead of this request."""
-    observed_at: float
+    observed_at: float = 0.0
     """When a leg the prefill node served was last observed (what exploring prefers)."""
+    prefill_ms: float = 0.0
+    """The prefill leg's part of the prediction (a pair's producer leg; alone: all of it)."""
     fetch_blocks: int = 0
     consumer_queue_ms: float = 0.0
+    learned: bool = True
+    """Every line it is predicted with is its nodes' own (not the pool's, not the seed)."""
 
     @property
     def alone(self) -> bool:
@@ -83,15 +87,18 @@ class Way:
 def alone_way(prompt: Prompt, name: str, held: int, rate: NodeRate) -> Way:
     own = prompt.uncached(held)
     work = rate.backlog_tokens + own
+    ms = rate.compute.at(work)
     return Way(
         consumer=name,
         producer=None,
-        ttft_ms=rate.compute.at(work),
+        ttft_ms=ms,
+        prefill_ms=ms,
         prefill_node=name,
         prefill_work=work,
         prefill_tokens=own,
         ahead_ms=rate.drain_ms(rate.backlog_tokens),
         observed_at=rate.observed_at,
+        learned=rate.learned,
     )
 
 
@@ -104,10 +111,12 @@ def pair_way(
     work = p.backlog_tokens + own
     fetch = max(prompt.blocks - c_held, 0)
     queue = c.drain_ms(c.backlog_tokens)
+    prefill = p.compute.at(work)
     return Way(
         consumer=consumer_name,
         producer=producer_name,
-        ttft_ms=p.compute.at(work) + c.fetch.at(fetch) + queue,
+        ttft_ms=prefill + c.fetch.at(fetch) + queue,
+        prefill_ms=prefill,
         prefill_node=producer_name,
         prefill_work=work,
         prefill_tokens=own,
@@ -115,6 +124,7 @@ def pair_way(
         observed_at=p.observed_at,
         fetch_blocks=fetch,
         consumer_queue_ms=queue,
+        learned=p.learned and c.fetch_learned,
     )
 
 
@@ -147,8 +157,7 @@ class Target:
     """For a class that yields: the most it may find queued ahead on a node (None: no cap)."""
     headroom_share: float = 0.8
     explore_share: float = 0.0
-    """Ways within this share of the fastest count as ties (the least recently observed
-    prefill node wins)."""
+    """Ways within this share of the fastest count as ties (:func:`fastest`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +174,10 @@ class Choice:
     """Shed: seconds until the best way is predicted to meet the target."""
     node_ms: Mapping[str, float] = field(default_factory=dict)
     """Each candidate's best prediction (for the explanation's rows)."""
+    error_share: float = 0.0
+    """How far off recent predictions were (:attr:`.rates.PoolRates.error_share`)."""
+    deferred: bool = False
+    """The cost model's choice was kept: the prediction's gain was within its error."""
 
     @property
     def shed(self) -> bool:
@@ -182,6 +195,9 @@ class Choice:
             out["retry_after_s"] = self.retry_after_s
         else:
             out["chosen"] = self.way.explain()
+        out["error"] = round(self.error_share, 2)
+        if self.deferred:
+            out["deferred"] = True
         return out
 
 
@@ -190,14 +206,19 @@ def _key(way: Way) -> tuple[float, str, str]:
 
 
 def fastest(options: Sequence[Way], explore_share: float) -> Way:
-    """The lowest prediction, or among the ways within ``explore_share`` of it the one whose
-    prefill node was observed longest ago: a node believed slow is only relearned when it is
-    sent work, and near-ties are where trying it costs least."""
+    """The lowest prediction; ways within ``explore_share`` of it are ties. A tie goes to the
+    way that prefills the fewest tokens (its node holds most of the prompt), then to the prefill
+    node observed longest ago: a node believed slow is only relearned when it is sent work, and
+    near-ties are where trying it costs least, but a prefix a node holds is never traded for a
+    guess (exploring among near-ties once spread a conversation's turns over every node, and
+    each one recomputed what the last one held)."""
     best = min(options, key=_key)
-    if explore_share <= 0.0:
-        return best
     near = best.ttft_ms * (1.0 + explore_share)
-    return min((w for w in options if w.ttft_ms <= near), key=lambda w: (w.observed_at, *_key(w)))
+    tied = [w for w in options if w.ttft_ms <= near]
+    least = min(w.prefill_tokens for w in tied)
+    return min(
+        (w for w in tied if w.prefill_tokens == least), key=lambda w: (w.observed_at, *_key(w))
+    )
 
 
 def choose(options: Sequence[Way], target: Target) -> Choice:

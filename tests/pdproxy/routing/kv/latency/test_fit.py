@@ -70,3 +70,16 @@ def test_always_a_sane_line(points: list[tuple[float, float]]) -> None:
         assert SLOPE_FLOOR <= line.slope <= SLOPE_CEILING
         assert 0.0 <= line.intercept <= 120_000.0 + 1e-6
         assert math.isfinite(line.at(1e4))
+
+
+def test_legs_that_waited_are_not_outweighed_by_quiet_ones() -> None:
+    """Half the legs wait behind work nobody saw (5x the quiet time): the line sits well above
+    the quiet half (weights of 1/observed^2 put it at ~1.16x the quiet legs, a node's best
+    case) and not above the mean."""
+    fit = DecayedFit(SEED, window=64, max_y=1e5)
+    for i in range(400):
+        x = 500.0 + 100.0 * (i % 6)
+        quiet = 10.0 + 0.05 * x
+        fit.observe(x, quiet if i % 2 else 5.0 * quiet)
+    quiet = 10.0 + 0.05 * 750.0
+    assert 1.5 * quiet <= fit.line.at(750.0) <= 3.0 * quiet

@@ -12,7 +12,7 @@ BS = 16
 
 
 def rate(ms_per_token: float, backlog: float = 0.0, leg: float = 5.0) -> NodeRate:
-    return NodeRate(Line(leg, ms_per_token, 10), Line(20.0, 0.05, 10), backlog, True)
+    return NodeRate(Line(leg, ms_per_token, 10), Line(20.0, 0.05, 10), backlog, True, 0.0, True)
 
 
 RATES = {
@@ -112,3 +112,24 @@ def test_a_node_that_is_both_never_pairs_with_itself() -> None:
     prompt = Prompt(512, BS)
     options = ways(prompt, [("c0", 0)], [("c0", 0)], RATES)
     assert [w.producer for w in options] == [None]
+
+
+def test_a_near_tie_goes_to_the_node_holding_the_prefix_not_to_exploring() -> None:
+    """c1 holds the prompt but is predicted a little slower (within explore_share), and c0 was
+    observed longer ago: the holder wins, exploring never trades a prefix for a guess."""
+    prompt = Prompt(2048, BS)
+    rates = {"c0": rate(0.001, leg=40.0), "c1": rate(0.02, leg=42.0)}
+    options = ways(prompt, [], [("c0", 0), ("c1", 120)], rates)
+    by = {w.consumer: w for w in options}
+    assert by["c0"].ttft_ms < by["c1"].ttft_ms <= by["c0"].ttft_ms * 1.1
+    choice = choose(options, Target("interactive", explore_share=0.1))
+    assert choice.way is not None and choice.way.consumer == "c1"
+
+
+def test_a_way_with_borrowed_lines_is_not_learned() -> None:
+    borrowed = NodeRate(Line(5.0, 0.1, 0), Line(20.0, 0.05, 0), 0.0, False)
+    prompt = Prompt(512, BS)
+    options = ways(prompt, [("p", 0)], [("c", 0)], {"p": rate(0.1), "c": borrowed})
+    assert {(w.alone, w.learned) for w in options} == {(True, False), (False, False)}
+    own = ways(prompt, [("p", 0)], [("c", 0)], {"p": rate(0.1), "c": rate(0.1)})
+    assert all(w.learned for w in own)

@@ -224,3 +224,50 @@ def test_the_engines_waiting_queue_floors_the_backlog() -> None:
     assert floor > 1000
     # Both drain at the node's rate (0.1 ms/token seeded): 0.2 s later 2,000 tokens less.
     assert rates.snapshot(["p"], 0.2)["p"].backlog_tokens == floor - 2000
+
+
+def test_a_gain_within_the_predictions_own_error_leaves_the_cost_rule_its_choice() -> None:
+    """The cost model (equal loads: by name) would take a-slow; the prediction knows b-fast is
+    3x faster. While predictions are right, it moves the request; once they have been off by
+    ~3x, a 3x gain is inside their error and the cost rule's choice stands (pairs only: the
+    thresholds' kind)."""
+    pool = SimPool(
+        settings(bypass=False),
+        {"a-slow": SimNode(0.3), "b-fast": SimNode(0.1), "c0": SimNode(0.4)},
+        ["a-slow", "b-fast"],
+        ["c0"],
+    )
+    warm_up(pool, 40)
+    pool.advance(5.0)
+    assert pool.scorer.rates.error_share < 0.5
+    sure = pool.serve(1024)
+    assert sure.plan.ttft is not None and not sure.plan.ttft.deferred
+    assert sure.plan.producers[0] == "b-fast"
+    for _ in range(200):
+        pool.scorer.rates.observe_error(300.0, 100.0)
+    assert pool.scorer.rates.error_share > 1.9
+    pool.advance(5.0)
+    unsure = pool.serve(1024)
+    assert unsure.plan.ttft is not None and unsure.plan.ttft.deferred
+    assert unsure.plan.producers[0] == "a-slow"
+    assert unsure.plan.ttft.explain()["deferred"] is True
+
+
+def test_the_charged_backlog_floors_a_node_whose_burst_was_not_observed_yet() -> None:
+    """Twenty requests just went to p-fast and none has finished: its learned backlog may have
+    drained, the tokens it was charged have not, and the next request goes elsewhere."""
+    from pdproxy.routing.kv.decide import Scoring
+    from pdproxy.routing.kv.plan import NodeState, Plan, PromptShape
+
+    pool = mixed_pool()
+    warm_up(pool)
+    pool.advance(30.0)
+    _, plan, _, view = pool.plan(1024)
+    assert plan.producers[0] == "p-fast"
+    loaded = [NodeState("p-fast", queued_tokens=20 * 1024), NodeState("p-slow")]
+    consumers = [NodeState("c0"), NodeState("c1")]
+    scoring = Scoring(PromptShape(1024, BS), loaded, consumers, (view,), BS)  # type: ignore[arg-type]
+    base = Plan(consumers=("c0", "c1"), producers=("p-fast", "p-slow"), reason="load",
+                predicted_cached_tokens=0, consumer_scores=(), producer_scores=())  # fmt: skip
+    revised = view.revise(base, scoring)  # type: ignore[attr-defined]
+    assert revised.producers[0] == "p-slow"
