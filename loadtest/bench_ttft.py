@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_vs_router import router_binary
+from loadtest.bench_vs_router import add_router_venv_argument, router_binary
 from loadtest.ttft_pool import (
     KEYS,
     MODEL,
@@ -314,10 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quiet-seconds", type=float, default=12.0)
     p.add_argument("--seed", default="bench-ttft")
     p.add_argument("--dump", type=Path, help="append ttft's routes and TTFTs here (JSON lines)")
-    p.add_argument(
-        "--router-venv", type=Path,
-        default=Path(os.environ.get("PDPROXY_ROUTER_VENV", ".venv-router")),
-    )  # fmt: skip
+    add_router_venv_argument(p)
     args = p.parse_args(argv)
     print("| req/s | proxy | SLO met | goodput/s | p50 ms | p90 ms | batch shed | inter shed "
           "| failed | err p50 |")  # fmt: skip

@@ -63,6 +63,15 @@ def router_binary(venv: Path) -> Path:
     return binary
 
 
+def add_router_venv_argument(parser: argparse.ArgumentParser) -> None:
+    """``--router-venv``: where vllm-router is (installed there by :func:`router_binary`)."""
+    parser.add_argument(
+        "--router-venv", type=Path,
+        default=Path(os.environ.get("PDPROXY_ROUTER_VENV", ".venv-router")),
+        help="venv holding vllm-router (installed there when missing)",
+    )  # fmt: skip
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU of ``pid`` and its live descendants (threads included)."""
     total = 0.0
@@ -353,11 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--baseline-tree", metavar="DIR", help="also run this checkout's proxy")
     parser.add_argument("--no-wrk", dest="wrk", action="store_false", help="skip the wrk rows")
-    parser.add_argument(
-        "--router-venv", type=Path,
-        default=Path(os.environ.get("PDPROXY_ROUTER_VENV", ".venv-router")),
-        help="venv holding vllm-router (installed there when missing)",
-    )  # fmt: skip
+    add_router_venv_argument(parser)
     args = parser.parse_args(argv)
     if args.wrk and shutil.which("wrk") is None:
         print("wrk not found (Debian: apt-get install wrk): its rows are skipped", file=sys.stderr)

@@ -32,7 +32,13 @@ from pathlib import Path
 import aiohttp
 
 from loadtest.bench_proxy import _run_cell, _wait_ready
-from loadtest.bench_vs_router import _body, _post, _router_argv, router_binary
+from loadtest.bench_vs_router import (
+    _body,
+    _post,
+    _router_argv,
+    add_router_venv_argument,
+    router_binary,
+)
 from loadtest.bench_vs_router_fronts import ALLOCATORS, callgrind_by_object, callgrind_counts
 from loadtest.child import child_process
 from pdproxy.stack.ports import free_port
@@ -135,11 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--router", action="store_true", help="also measure vllm-router (same load, same fakes)"
     )
-    parser.add_argument(
-        "--router-venv", type=Path,
-        default=Path(os.environ.get("PDPROXY_ROUTER_VENV", ".venv-router")),
-        help="venv holding vllm-router (installed there when missing)",
-    )  # fmt: skip
+    add_router_venv_argument(parser)
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         sys.exit("valgrind not found (Debian: apt-get install valgrind)")

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,14 +46,15 @@ class Worker:
     replay: str
 
 
-def worker_argv(w: Worker, port: int) -> list[str]:
+def worker_argv(w: Worker, port: int, pages: tuple[int, int] = (4096, 4096)) -> list[str]:
+    """``pages``: the worker's KV pages on its device and in host memory."""
     s = w.spec
     return [sys.executable, "-m", "kvtier.worker", "--role", s.role, "--model", "sim",
             "--host", "127.0.0.1", "--port", str(port), "--events-endpoint", w.events,
             "--events-replay-endpoint", w.replay, "--engine-id", s.name,
             "--sim-prefill-ms-per-token", str(s.prefill_ms),
-            "--sim-decode-ms-per-step", str(s.step_ms), "--num-pages", "4096",
-            "--host-pages", "4096", "--log-level", "warning"]  # fmt: skip
+            "--sim-decode-ms-per-step", str(s.step_ms), "--num-pages", str(pages[0]),
+            "--host-pages", str(pages[1]), "--log-level", "warning"]  # fmt: skip
 
 
 def proxy_config(workers: list[Worker], port: int, ttft: dict[str, Any]) -> dict[str, Any]:
@@ -126,15 +127,25 @@ POOL = (
 
 @contextlib.contextmanager
 def cluster(args: argparse.Namespace, tmp: Path) -> Iterator[list[Worker]]:
+    scaled = [WorkerSpec(s.name, s.role, s.prefill_ms * args.prefill_ms, s.step_ms * args.step_ms)
+              for s in POOL]  # fmt: skip
+    with workers_of(scaled, tmp) as workers:
+        yield workers
+
+
+@contextlib.contextmanager
+def workers_of(
+    specs: Sequence[WorkerSpec], tmp: Path, pages: tuple[int, int] = (4096, 4096)
+) -> Iterator[list[Worker]]:
+    """One sim worker per spec (speeds as given, in ms), stopped when the block ends."""
     workers = []
     with contextlib.ExitStack() as stack:
-        for spec in POOL:
+        for spec in specs:
             port = free_port()
-            scaled = WorkerSpec(spec.name, spec.role, spec.prefill_ms * args.prefill_ms,
-                                spec.step_ms * args.step_ms)  # fmt: skip
-            w = Worker(scaled, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}",
+            w = Worker(spec, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}",
                        f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
-            stack.enter_context(child_process(worker_argv(w, port), log=tmp / f"{spec.name}.log"))
+            argv = worker_argv(w, port, pages)
+            stack.enter_context(child_process(argv, log=tmp / f"{spec.name}.log"))
             workers.append(w)
         yield workers
 

@@ -290,8 +290,10 @@ class TtftSettings(BaseModel):
         default=0.1,
         ge=0.0,
         le=1.0,
-        description="ways predicted within this share of the fastest are ties, won by the node "
-        "observed longest ago: how a node believed slow gets the work that shows it is not",
+        description="ways predicted within this share of the fastest are ties, won by the way "
+        "whose node holds most of the prompt, then by the node observed longest ago (how a "
+        "node believed slow gets the work that shows it is not); a prediction that beats the "
+        "cost model's choice by no more than this keeps the cost model's",
     )
     relearn_s: float = Field(
         default=10.0,
@@ -311,10 +313,10 @@ class TtftSettings(BaseModel):
     bypass: bool | None = Field(
         default=None,
         description="true: once warm, the prediction decides whether the consumer prefills "
-        "alone, even with a line borrowed from the pool; false: `local_prefill`'s thresholds "
+        "alone, with any way; false: `local_prefill`'s thresholds "
         "decide that and the prediction ranks only the ways of the kind they chose. Unset: the "
-        "prediction overturns the thresholds' kind only with a way whose lines are its nodes' "
-        "own (a consumer observed prefilling alone, transfers timed), and never when "
+        "prediction overturns the thresholds' kind only with a way it has learned for the "
+        "request's work (not a seed, not an extrapolation), and never when "
         "`local_prefill` keeps every request disaggregated (`max_suffix_tokens: 0, "
         "min_hit_ratio: 1.0`: an operator's always-disaggregated pool stays so)",
     )

@@ -62,6 +62,19 @@ class DecayedFit:
         self._scale = 0.0
         self.line = Line(seed.intercept, seed.slope, 0)
 
+    @property
+    def reach(self) -> float:
+        """The work up to which the line is read as learned: twice the observed work's mean
+        plus two deviations (0 before any observation). Beyond it the line extrapolates: a
+        consumer that prefilled only short suffixes alone (~150 tokens) was predicted 22 ms for
+        a 2,600-token prompt that took 212 ms."""
+        w, wx, _, wxx, _ = self._sums
+        if w <= 0.0:
+            return 0.0
+        mean = wx / w
+        spread = math.sqrt(max(wxx / w - mean * mean, 0.0))
+        return 2.0 * (mean + 2.0 * spread)
+
     def observe(self, x: float, y: float) -> bool:
         """Fold one observation in; False when it is not a number."""
         if not (math.isfinite(x) and math.isfinite(y)):

@@ -24,6 +24,7 @@ Ties break by name, so replicas given the same state agree.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,12 +66,14 @@ class Way:
     """What the prefill node has queued ahead of this request."""
     observed_at: float = 0.0
     """When a leg the prefill node served was last observed (what exploring prefers)."""
-    prefill_ms: float = 0.0
-    """The prefill leg's part of the prediction (a pair's producer leg; alone: all of it)."""
     fetch_blocks: int = 0
     consumer_queue_ms: float = 0.0
     learned: bool = True
-    """Every line it is predicted with is its nodes' own (not the pool's, not the seed)."""
+    """Every line it is predicted with was learned (the node's own, or the pool's while the
+    node has too few legs) and is read within the work it was observed on: not a seed, not an
+    extrapolation."""
+    explores: bool = False
+    """Its prefill node has no line of its own yet: serving it is how the node is learned."""
 
     @property
     def alone(self) -> bool:
@@ -87,18 +90,17 @@ class Way:
 def alone_way(prompt: Prompt, name: str, held: int, rate: NodeRate) -> Way:
     own = prompt.uncached(held)
     work = rate.backlog_tokens + own
-    ms = rate.compute.at(work)
     return Way(
         consumer=name,
         producer=None,
-        ttft_ms=ms,
-        prefill_ms=ms,
+        ttft_ms=rate.compute.at(work),
         prefill_node=name,
         prefill_work=work,
         prefill_tokens=own,
         ahead_ms=rate.drain_ms(rate.backlog_tokens),
         observed_at=rate.observed_at,
-        learned=rate.learned,
+        learned=work <= rate.compute_reach,
+        explores=not rate.learned,
     )
 
 
@@ -111,12 +113,10 @@ def pair_way(
     work = p.backlog_tokens + own
     fetch = max(prompt.blocks - c_held, 0)
     queue = c.drain_ms(c.backlog_tokens)
-    prefill = p.compute.at(work)
     return Way(
         consumer=consumer_name,
         producer=producer_name,
-        ttft_ms=prefill + c.fetch.at(fetch) + queue,
-        prefill_ms=prefill,
+        ttft_ms=p.compute.at(work) + c.fetch.at(fetch) + queue,
         prefill_node=producer_name,
         prefill_work=work,
         prefill_tokens=own,
@@ -124,7 +124,8 @@ def pair_way(
         observed_at=p.observed_at,
         fetch_blocks=fetch,
         consumer_queue_ms=queue,
-        learned=p.learned and c.fetch_learned,
+        learned=work <= p.compute_reach and c.fetch_learned,
+        explores=not p.learned,
     )
 
 
@@ -174,10 +175,10 @@ class Choice:
     """Shed: seconds until the best way is predicted to meet the target."""
     node_ms: Mapping[str, float] = field(default_factory=dict)
     """Each candidate's best prediction (for the explanation's rows)."""
-    error_share: float = 0.0
-    """How far off recent predictions were (:attr:`.rates.PoolRates.error_share`)."""
     deferred: bool = False
-    """The cost model's choice was kept: the prediction's gain was within its error."""
+    """The cost model's choice was kept over the prediction's (:func:`defer`)."""
+    cost: Way | None = None
+    """The cost model's own choice as a way (for the explanation), if it was among them."""
 
     @property
     def shed(self) -> bool:
@@ -195,7 +196,8 @@ class Choice:
             out["retry_after_s"] = self.retry_after_s
         else:
             out["chosen"] = self.way.explain()
-        out["error"] = round(self.error_share, 2)
+        if self.cost is not None:
+            out["cost"] = self.cost.explain()
         if self.deferred:
             out["deferred"] = True
         return out
@@ -241,3 +243,22 @@ def choose(options: Sequence[Way], target: Target) -> Choice:
             over_ms = max(over_ms, min(w.ahead_ms for w in options) - cap)
         return Choice(None, best, target, False, max(1, math.ceil(over_ms / 1e3)))
     return Choice(best, best, target, False)
+
+
+def defer(choice: Choice, cost: Way | None) -> Choice:
+    """Keep the cost model's own way (``cost``) over the prediction's when the prediction has
+    not earned the change: its way is the lowest prediction (not a tie it broke: a prefix held,
+    a node relearned), it does not try a node nothing is known of yet (optimistic on purpose:
+    that is how a node is learned), and either its line is read past the work it was learned
+    on (a consumer that prefilled only short suffixes alone, read for a whole prompt: predicted
+    22 ms, it took 212), or it beats ``cost`` by no more than ``explore_share`` (a near-tie is
+    noise). ``cost`` must itself serve the class (meet its target)."""
+    way = choice.way
+    if way is None or cost is None or cost == way or way != choice.best or way.explores:
+        return choice
+    target = choice.target
+    if way.learned and cost.ttft_ms > way.ttft_ms * (1.0 + target.explore_share):
+        return choice
+    if not choose([cost], target).met:
+        return choice
+    return dataclasses.replace(choice, way=cost, deferred=True)

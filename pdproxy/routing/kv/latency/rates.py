@@ -38,8 +38,6 @@ from pdproxy.settings.scorers import TtftSettings
 _TYPICAL_WORK = 1024.0
 """Tokens (or blocks) at which two lines are compared to pick the fastest."""
 _MEAN_ALPHA = 0.05
-_INITIAL_ERROR = 1.0
-"""Predictions count as off by 2x until some were checked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +52,10 @@ class NodeRate:
     observed_at: float = 0.0
     """When a leg it prefilled was last observed (monotonic seconds; 0: never)."""
     fetch_learned: bool = False
-    """Its own fetch line is warm (it has served PD consumer legs that were observed)."""
+    """Its fetch line was learned from observed PD consumer legs (its own, or the pool's)."""
+    compute_reach: float = math.inf
+    """Prefill work up to which the compute line it is read with (its own, or the pool's) was
+    observed (:attr:`DecayedFit.reach`; 0: the seed)."""
 
     def drain_ms(self, tokens: float) -> float:
         return self.compute.slope * tokens
@@ -106,6 +107,12 @@ def _drained(tokens: float, at: float, now: float, ms_per_token: float) -> float
     return max(tokens - max(now - at, 0.0) * 1e3 / ms_per_token, 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class _PoolLine:
+    line: Line
+    reach: float
+
+
 class PoolRates:
     """Every node's rates, for one router (one model). Written only by the TTFT scorer."""
 
@@ -114,13 +121,13 @@ class PoolRates:
         self._nodes: OrderedDict[str, NodeRates] = OrderedDict()
         self._pool_compute: Line | None = None
         self._pool_fetch: Line | None = None
+        self._pool_reach = 0.0
+        """The work up to which the pool's compute line was observed."""
         self._last_observed = 0.0
         """When any node's compute leg was last observed."""
         self._mean_tokens = _TYPICAL_WORK / 2
         """Mean uncached prefill tokens of this router's requests (an engine's waiting request
         is counted at this)."""
-        self._log_error = math.log1p(_INITIAL_ERROR)
-        self._errors = 0
 
     def node(self, name: str) -> NodeRates:
         rates = self._nodes.get(name)
@@ -142,34 +149,22 @@ class PoolRates:
         rates.observed_at = now
         self._last_observed = max(self._last_observed, now)
         if rates.compute.observe(work_tokens, ms):
-            self._pool_compute = self._fastest(r.compute for r in self._nodes.values())
-
-    def observe_error(self, predicted_ms: float, observed_ms: float) -> None:
-        """A warm prediction against what was observed (a prefill leg, or a stream's TTFT)."""
-        if not (predicted_ms > 0.0 and observed_ms > 0.0):
-            return
-        miss = abs(math.log(predicted_ms / observed_ms))
-        self._errors += 1
-        alpha = max(1.0 / self._errors, 1.0 / self.settings.window_samples)
-        self._log_error += alpha * (miss - self._log_error)
-
-    @property
-    def error_share(self) -> float:
-        """How far off the recent warm predictions were, as a share (0.3: by a factor of 1.3
-        either way, on the geometric mean); 1.0 before any was checked."""
-        return math.expm1(self._log_error)
+            fastest = self._fastest(r.compute for r in self._nodes.values())
+            self._pool_compute = fastest.line if fastest is not None else None
+            self._pool_reach = fastest.reach if fastest is not None else 0.0
 
     def observe_fetch(self, name: str, blocks: float, ms: float) -> None:
         if self.node(name).fetch.observe(blocks, ms):
-            self._pool_fetch = self._fastest(r.fetch for r in self._nodes.values())
+            fastest = self._fastest(r.fetch for r in self._nodes.values())
+            self._pool_fetch = fastest.line if fastest is not None else None
 
-    def _fastest(self, fits: Iterable[DecayedFit]) -> Line | None:
+    def _fastest(self, fits: Iterable[DecayedFit]) -> _PoolLine | None:
         """The warm line fastest at a typical prompt's work (None: no line is warm)."""
-        warm = [f.line for f in fits if f.line.samples >= self.settings.warm_samples]
+        warm = [f for f in fits if f.line.samples >= self.settings.warm_samples]
         if not warm:
             return None
-        best = min(warm, key=lambda line: line.at(_TYPICAL_WORK))
-        return Line(best.intercept, best.slope, 0)
+        best = min(warm, key=lambda f: f.line.at(_TYPICAL_WORK))
+        return _PoolLine(Line(best.line.intercept, best.line.slope, 0), best.reach)
 
     def _read(self, fit: DecayedFit, pool: Line | None) -> Line:
         if fit.line.samples >= self.settings.warm_samples or pool is None:
@@ -200,13 +195,16 @@ class PoolRates:
         for name in names:
             rates = self.node(name)
             compute = self._compute(rates)
+            own = rates.compute.line.samples >= self.settings.warm_samples
+            fetch_own = rates.fetch.line.samples >= self.settings.warm_samples
             out[name] = NodeRate(
                 compute,
                 self._read(rates.fetch, self._pool_fetch),
                 rates.backlog(now, compute.slope),
-                rates.compute.line.samples >= self.settings.warm_samples,
+                own,
                 rates.observed_at,
-                rates.fetch.line.samples >= self.settings.warm_samples,
+                fetch_own or self._pool_fetch is not None,
+                rates.compute.reach if own else self._pool_reach,
             )
         return out
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +36,12 @@ from prometheus_client.registry import Collector
 from kvtier.residency.types import NodeId
 from pdproxy.routing.base import RequestOutcome, RouteRequest
 from pdproxy.routing.kv.latency.predict import (
-    Choice,
     Prompt,
     Target,
     Way,
     alone_way,
     choose,
+    defer,
     pair_way,
     ways,
 )
@@ -68,8 +68,6 @@ class TtftView(View):
     """False: the plan's kind (pair or alone, the thresholds' choice) is kept."""
     bypass_unlearned: bool = False
     """``bypass: true`` as asked: a way predicted with borrowed lines may change the kind too."""
-    error_share: float = 1.0
-    """How far off the pool's recent warm predictions were (the band the cost rule keeps)."""
 
     def revise(self, plan: Plan, costing: Costing) -> Plan:
         if not self.warm:
@@ -87,19 +85,22 @@ class TtftView(View):
         choice = choose(options, self.target)
         way = choice.way
         if way is not None and way.alone != alone and not (way.learned or self.bypass_unlearned):
-            # A way predicted with borrowed lines (a consumer never observed prefilling alone,
-            # or one whose transfers were never timed) does not overturn the thresholds' kind:
-            # uncertain, the cost rule decides pair or alone and the prediction ranks within.
+            # A way predicted with a seed or past the work its line was learned on (a consumer
+            # that prefilled only short suffixes alone, read for a whole prompt) does not
+            # overturn the thresholds' kind: uncertain, the cost rule decides pair or alone and
+            # the prediction ranks within.
             kept = [w for w in options if w.alone == alone]
             if kept:
                 choice = choose(kept, self.target)
-        choice = _defer(choice, options, plan, self.target, self.error_share)
+        top = (plan.consumers[0], plan.producers[0] if plan.producers else None)
+        cost = next((w for w in options if (w.consumer, w.producer) == top), None)
+        choice = defer(dataclasses.replace(choice, cost=cost), cost)
         node_ms: dict[str, float] = {}
         for w in options:
             for name in (w.consumer, w.producer):
                 if name is not None and w.ttft_ms < node_ms.get(name, float("inf")):
                     node_ms[name] = w.ttft_ms
-        choice = dataclasses.replace(choice, node_ms=node_ms, error_share=self.error_share)
+        choice = dataclasses.replace(choice, node_ms=node_ms)
         way = choice.way
         if way is None:
             return dataclasses.replace(plan, reason="ttft-shed", ttft=choice)
@@ -144,30 +145,6 @@ def _with_charged_backlog(
             out = dict(rates) if out is None else out
             out[node.name] = dataclasses.replace(rate, backlog_tokens=float(node.queued_tokens))
     return rates if out is None else out
-
-
-def _defer(
-    choice: Choice, options: Sequence[Way], plan: Plan, target: Target, error_share: float
-) -> Choice:
-    """The cost model's own way, when it serves the class (meets its target) and the
-    prediction's is faster by no more than the predictions' recent error (or
-    ``explore_share``): a gain inside the error is noise, and acting on noise sent a
-    burst's prompts to the node whose legs happened to be timed fastest, where they
-    evicted each other. Predictions that are right (a node 3x slower than its peers)
-    still move requests; while they are off, the cost rule they replace decides."""
-    way = choice.way
-    if way is None or not way.learned or way.ttft_ms > min(w.ttft_ms for w in options):
-        # Shed; a node not learned yet, tried (how it gets learned); or a tie the prediction
-        # broke (a prefix held, a node relearned).
-        return choice
-    top = (plan.consumers[0], plan.producers[0] if plan.producers else None)
-    cost = next((w for w in options if (w.consumer, w.producer) == top), None)
-    if cost is None or cost is way:
-        return choice
-    band = max(error_share, target.explore_share)
-    if cost.ttft_ms > way.ttft_ms * (1.0 + band) or not choose([cost], target).met:
-        return choice
-    return dataclasses.replace(choice, way=cost, deferred=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +259,6 @@ class TtftScorer(Scorer[TtftView]):
             self._consumer_local,
             self.bypass,
             self.settings.bypass is True,
-            self.rates.error_share,
         )
 
     def record(self, made: Made, view: TtftView) -> None:
@@ -335,8 +311,6 @@ class TtftScorer(Scorer[TtftView]):
                 return  # another producer served it, or none did: not this way's timing
             prefill_ms = outcome.producer_s * 1e3
             self.rates.observe_compute(way.producer, way.prefill_work, prefill_ms, over_now)
-            if pending.warm:
-                self.rates.observe_error(way.prefill_ms, prefill_ms)
             if first:
                 self.rates.observe_fetch(
                     way.consumer, way.fetch_blocks, first_ms - way.consumer_queue_ms
@@ -346,8 +320,6 @@ class TtftScorer(Scorer[TtftView]):
             self.rates.observe_compute(way.consumer, way.prefill_work, first_ms, over_now)
             observed = first_ms
         if observed is not None and observed > 0.0:
-            if pending.warm:
-                self.rates.observe_error(way.ttft_ms, observed)
             self.error.labels("alone" if way.alone else "pd", str(pending.warm).lower()).observe(
                 way.ttft_ms / observed - 1.0
             )

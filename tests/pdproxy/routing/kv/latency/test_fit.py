@@ -83,3 +83,12 @@ def test_legs_that_waited_are_not_outweighed_by_quiet_ones() -> None:
         fit.observe(x, quiet if i % 2 else 5.0 * quiet)
     quiet = 10.0 + 0.05 * 750.0
     assert 1.5 * quiet <= fit.line.at(750.0) <= 3.0 * quiet
+
+
+def test_reach_is_the_work_the_line_was_observed_on() -> None:
+    fit = DecayedFit(SEED, window=32, max_y=1e5)
+    assert fit.reach == 0.0  # the seed: learned on nothing
+    for i in range(40):
+        x = 100.0 + 20.0 * (i % 5)  # short suffixes: 100-180 tokens
+        fit.observe(x, 5.0 + 0.1 * x)
+    assert 300.0 < fit.reach < 600.0  # a 2,600-token prompt is an extrapolation

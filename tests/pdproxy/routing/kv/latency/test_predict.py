@@ -126,10 +126,12 @@ def test_a_near_tie_goes_to_the_node_holding_the_prefix_not_to_exploring() -> No
     assert choice.way is not None and choice.way.consumer == "c1"
 
 
-def test_a_way_with_borrowed_lines_is_not_learned() -> None:
-    borrowed = NodeRate(Line(5.0, 0.1, 0), Line(20.0, 0.05, 0), 0.0, False)
-    prompt = Prompt(512, BS)
-    options = ways(prompt, [("p", 0)], [("c", 0)], {"p": rate(0.1), "c": borrowed})
-    assert {(w.alone, w.learned) for w in options} == {(True, False), (False, False)}
-    own = ways(prompt, [("p", 0)], [("c", 0)], {"p": rate(0.1), "c": rate(0.1)})
-    assert all(w.learned for w in own)
+def test_a_line_read_past_its_work_is_not_learned_and_a_new_node_explores() -> None:
+    short = NodeRate(Line(5.0, 0.1, 10), Line(20.0, 0.05, 10), 0.0, True, 0.0, True, 600.0)
+    borrowed = NodeRate(Line(5.0, 0.1, 0), Line(20.0, 0.05, 0), 0.0, False, 0.0, True, 5000.0)
+    rates = {"p": short, "c": borrowed}
+    for tokens, learned in ((512, True), (4096, False)):
+        by = {w.alone: w for w in ways(Prompt(tokens, BS), [("p", 0)], [("c", 0)], rates)}
+        assert by[False].learned is learned  # the pair reads p's line
+        assert not by[False].explores
+        assert by[True].learned and by[True].explores  # c alone: the pool's line, c untried
