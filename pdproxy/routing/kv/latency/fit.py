@@ -89,8 +89,8 @@ class DecayedFit:
         # anchor's weight is measured against). Not 1/y^2: that favours the legs that came
         # out fast (one that waited 250 ms behind work the backlog did not see weighed 1/25 of
         # a 50 ms one at the same work), so the line learned a node's best case, its backlog
-        # drained too fast, and a node under a burst looked idle. Not 1/y^^2 either (no bias
-        # at one work, but a line that over-predicts comes down only as fast as it forgets):
+        # drained too fast, and a node under a burst looked idle. Not 1/(y^ x y^) either (no
+        # bias at one work, but a line that over-predicts comes down only as fast as it forgets):
         # the product weighs a leg 5x slower and one 5x faster than the line alike.
         raw = 1.0 / (max(self.line.at(x), _Y_FLOOR) * max(y, _Y_FLOOR))
         # The scale follows the observed times, so a line far below them (a seed, or a node

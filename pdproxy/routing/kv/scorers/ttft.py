@@ -67,7 +67,8 @@ class TtftView(View):
     bypass: bool = True
     """False: the plan's kind (pair or alone, the thresholds' choice) is kept."""
     bypass_unlearned: bool = False
-    """``bypass: true`` as asked: a way predicted with borrowed lines may change the kind too."""
+    """``bypass: true`` as asked: a way not learned for the request's work (a seed, an
+    extrapolation) may change the kind too."""
 
     def revise(self, plan: Plan, costing: Costing) -> Plan:
         if not self.warm:
