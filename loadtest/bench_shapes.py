@@ -34,9 +34,9 @@ decisions the TTFT prediction settled, and where the cost model's choice was kep
     python -m loadtest.bench_shapes [--shapes conversations families unique mixed]
         [--routers ttft cost rr vr-cache] [--scale 1.0] [--guard]
 
-``--guard`` (CI): exits 3 when, on a shape run with both, ``ttft`` failed a request, kept less
-of the prompt cached or computed more of it than ``cost`` by more than ``--guard-cached``, or
-its mean TTFT is over ``--guard-ttft`` times ``cost``'s (a wide margin: a statistic over ~100
+``--guard`` (CI): exits 3 when, on a shape run with both, ``ttft`` failed a request, its pool
+computed more of the prompt tokens than ``cost``'s by more than ``--guard-computed``, or its
+mean TTFT is over ``--guard-ttft`` times ``cost``'s (a wide margin: a statistic over ~100
 requests, not a timing assert).
 """
 
@@ -137,6 +137,8 @@ class Cell:
     """Prompt tokens the pool's engines computed (admitted minus prefix hits, every worker)."""
     busiest_share: float = float("nan")
     """The busiest consumer's share of the requests the consumers finished."""
+    routes: list[dict[str, Any]] = field(default_factory=list)
+    """Each decision's ``x-pdproxy-route`` with the request's TTFT and usage (``--dump``)."""
     decisions: dict[str, int] = field(default_factory=dict)
     """pdproxy's KV decisions by what settled them (``x-pdproxy-route``): ``predicted`` (the
     TTFT prediction's way), ``deferred`` (the cost model's, kept over the prediction's),
@@ -200,7 +202,8 @@ async def _stream(
                 await resp.read()
                 cell.failed += 1
                 return None
-            _count_decision(resp.headers.get("x-pdproxy-route"), cell)
+            route = resp.headers.get("x-pdproxy-route")
+            _count_decision(route, cell)
             async for line in resp.content:
                 if not line.startswith(b"data:") or b"[DONE]" in line:
                     continue
@@ -218,6 +221,8 @@ async def _stream(
         cell.failed += 1
         return None
     cell.ttft_s.append(first)
+    if route and route.startswith("{"):
+        cell.routes.append({"ttft_ms": first * 1e3, "usage": usage, "route": json.loads(route)})
     cell.prompt_tokens += int(usage.get("prompt_tokens") or 0)
     details = usage.get("prompt_tokens_details") or {}
     cell.cached_tokens += int(details.get("cached_tokens") or 0)
@@ -328,6 +333,10 @@ async def bench_shape(
                 await asyncio.sleep(2.0)  # health checks admit every backend
                 schedule = sessions_of(shape, name, args.scale)
                 cells[name] = await run_cell(url, schedule, shape, workers)
+            if args.dump is not None:
+                with args.dump.open("a") as f:
+                    for row in cells[name].routes:
+                        f.write(json.dumps({"shape": shape.name, "router": name, **row}) + "\n")
             _print_row(shape.name, name, cells[name], cells.get("rr"))
             await asyncio.sleep(args.settle)
     return cells
@@ -349,7 +358,7 @@ def _settled(c: Cell) -> str:
     return f"{c.decisions.get('predicted', 0) / n:.2f} / {c.decisions.get('deferred', 0) / n:.2f}"
 
 
-def guard(results: dict[str, dict[str, Cell]], cached_margin: float, ttft_x: float) -> list[str]:
+def guard(results: dict[str, dict[str, Cell]], computed_margin: float, ttft_x: float) -> list[str]:
     """What fails the guard: on a shape run with both, ``ttft`` behind ``cost``."""
     failures = []
     for shape, cells in results.items():
@@ -358,12 +367,13 @@ def guard(results: dict[str, dict[str, Cell]], cached_margin: float, ttft_x: flo
             continue
         if on.failed or off.failed:
             failures.append(f"{shape}: failed requests (ttft {on.failed}, cost {off.failed})")
-        if on.cached_share < off.cached_share - cached_margin:
-            failures.append(f"{shape}: ttft cached {on.cached_share:.2f} < cost "
-                            f"{off.cached_share:.2f} - {cached_margin}")  # fmt: skip
-        if on.computed_share > off.computed_share + cached_margin:
+        # Reuse is what the pool computed, not what consumers report cached: a PD consumer
+        # counts the blocks it fetched, so the reported share falls when more requests are
+        # served alone though the pool computes no more (0.81 against 0.92, computed 0.31
+        # against 0.32, in one run here).
+        if on.computed_share > off.computed_share + computed_margin:
             failures.append(f"{shape}: ttft computed {on.computed_share:.2f} > cost "
-                            f"{off.computed_share:.2f} + {cached_margin}")  # fmt: skip
+                            f"{off.computed_share:.2f} + {computed_margin}")  # fmt: skip
         if not math.isfinite(on.mean_ms()) or on.mean_ms() > ttft_x * off.mean_ms():
             failures.append(f"{shape}: ttft mean {on.mean_ms():.0f} ms > {ttft_x} x cost "
                             f"{off.mean_ms():.0f} ms")  # fmt: skip
@@ -381,7 +391,7 @@ async def bench(args: argparse.Namespace) -> int:
             results[name] = await bench_shape(SHAPES[name], routers, args, tmp)
     if not args.guard:
         return 0
-    failures = guard(results, args.guard_cached, args.guard_ttft)
+    failures = guard(results, args.guard_computed, args.guard_ttft)
     for f in failures:
         print(f"guard: {f}")
     print("guard: ok" if not failures else "guard: FAILED", flush=True)
@@ -394,8 +404,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
     p.add_argument("--scale", type=float, default=1.0, help="sessions per shape, x")
     p.add_argument("--settle", type=float, default=2.0, help="idle seconds between cells")
+    p.add_argument("--dump", type=Path, help="append pdproxy's decisions here (JSON lines)")
     p.add_argument("--guard", action="store_true")
-    p.add_argument("--guard-cached", type=float, default=0.10)
+    p.add_argument("--guard-computed", type=float, default=0.10)
     p.add_argument("--guard-ttft", type=float, default=2.0)
     add_router_venv_argument(p)
     args = p.parse_args(argv)

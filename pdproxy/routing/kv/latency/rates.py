@@ -38,6 +38,8 @@ from pdproxy.settings.scorers import TtftSettings
 _TYPICAL_WORK = 1024.0
 """Tokens (or blocks) at which two lines are compared to pick the fastest."""
 _MEAN_ALPHA = 0.05
+_INITIAL_ERROR = 1.0
+"""Predictions count as off by 2x until some were checked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,8 @@ class PoolRates:
         self._mean_tokens = _TYPICAL_WORK / 2
         """Mean uncached prefill tokens of this router's requests (an engine's waiting request
         is counted at this)."""
+        self._log_error = math.log1p(_INITIAL_ERROR)
+        self._errors = 0
 
     def node(self, name: str) -> NodeRates:
         rates = self._nodes.get(name)
@@ -152,6 +156,21 @@ class PoolRates:
             fastest = self._fastest(r.compute for r in self._nodes.values())
             self._pool_compute = fastest.line if fastest is not None else None
             self._pool_reach = fastest.reach if fastest is not None else 0.0
+
+    def observe_error(self, predicted_ms: float, observed_ms: float) -> None:
+        """A warm prediction against what was observed (a prefill leg, or a stream's TTFT)."""
+        if not (predicted_ms > 0.0 and observed_ms > 0.0):
+            return
+        miss = abs(math.log(predicted_ms / observed_ms))
+        self._errors += 1
+        alpha = max(1.0 / self._errors, 1.0 / self.settings.window_samples)
+        self._log_error += alpha * (miss - self._log_error)
+
+    @property
+    def error_share(self) -> float:
+        """How far off the recent warm predictions were, as a share (0.3: by a factor of 1.3
+        either way, on the geometric mean); 1.0 before any was checked."""
+        return math.expm1(self._log_error)
 
     def observe_fetch(self, name: str, blocks: float, ms: float) -> None:
         if self.node(name).fetch.observe(blocks, ms):

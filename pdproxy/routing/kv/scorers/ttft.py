@@ -42,6 +42,7 @@ from pdproxy.routing.kv.latency.predict import (
     alone_way,
     choose,
     defer,
+    keep_prefix,
     pair_way,
     ways,
 )
@@ -69,6 +70,8 @@ class TtftView(View):
     bypass_unlearned: bool = False
     """``bypass: true`` as asked: a way not learned for the request's work (a seed, an
     extrapolation) may change the kind too."""
+    error_share: float = 1.0
+    """How far off the pool's recent warm predictions were (:func:`keep_prefix`'s band)."""
 
     def revise(self, plan: Plan, costing: Costing) -> Plan:
         if not self.warm:
@@ -84,6 +87,7 @@ class TtftView(View):
             if not options:  # only self-pairs: the thresholds' plan stands
                 return plan
         choice = choose(options, self.target)
+        allowed = options
         way = choice.way
         if way is not None and way.alone != alone and not (way.learned or self.bypass_unlearned):
             # A way predicted with a seed or past the work its line was learned on (a consumer
@@ -93,15 +97,17 @@ class TtftView(View):
             kept = [w for w in options if w.alone == alone]
             if kept:
                 choice = choose(kept, self.target)
+                allowed = kept
         top = (plan.consumers[0], plan.producers[0] if plan.producers else None)
         cost = next((w for w in options if (w.consumer, w.producer) == top), None)
         choice = defer(dataclasses.replace(choice, cost=cost), cost)
+        choice = keep_prefix(choice, allowed, self.error_share)
         node_ms: dict[str, float] = {}
         for w in options:
             for name in (w.consumer, w.producer):
                 if name is not None and w.ttft_ms < node_ms.get(name, float("inf")):
                     node_ms[name] = w.ttft_ms
-        choice = dataclasses.replace(choice, node_ms=node_ms)
+        choice = dataclasses.replace(choice, node_ms=node_ms, error_share=self.error_share)
         way = choice.way
         if way is None:
             return dataclasses.replace(plan, reason="ttft-shed", ttft=choice)
@@ -260,6 +266,7 @@ class TtftScorer(Scorer[TtftView]):
             self._consumer_local,
             self.bypass,
             self.settings.bypass is True,
+            self.rates.error_share,
         )
 
     def record(self, made: Made, view: TtftView) -> None:
@@ -312,6 +319,8 @@ class TtftScorer(Scorer[TtftView]):
                 return  # another producer served it, or none did: not this way's timing
             prefill_ms = outcome.producer_s * 1e3
             self.rates.observe_compute(way.producer, way.prefill_work, prefill_ms, over_now)
+            if pending.warm:
+                self.rates.observe_error(way.prefill_ms, prefill_ms)
             if first:
                 self.rates.observe_fetch(
                     way.consumer, way.fetch_blocks, first_ms - way.consumer_queue_ms
@@ -321,6 +330,8 @@ class TtftScorer(Scorer[TtftView]):
             self.rates.observe_compute(way.consumer, way.prefill_work, first_ms, over_now)
             observed = first_ms
         if observed is not None and observed > 0.0:
+            if pending.warm:
+                self.rates.observe_error(way.ttft_ms, observed)
             self.error.labels("alone" if way.alone else "pd", str(pending.warm).lower()).observe(
                 way.ttft_ms / observed - 1.0
             )

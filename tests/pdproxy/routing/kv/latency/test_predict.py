@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdproxy.routing.kv.latency.fit import Line
-from pdproxy.routing.kv.latency.predict import Prompt, Target, choose, ways
+from pdproxy.routing.kv.latency.predict import Prompt, Target, choose, keep_prefix, ways
 from pdproxy.routing.kv.latency.rates import NodeRate
 
 BS = 16
@@ -135,3 +135,38 @@ def test_a_line_read_past_its_work_is_not_learned_and_a_new_node_explores() -> N
         assert by[False].learned is learned  # the pair reads p's line
         assert not by[False].explores
         assert by[True].learned and by[True].explores  # c alone: the pool's line, c untried
+
+
+def test_the_prefix_holder_is_kept_unless_its_queue_costs_more_than_the_error() -> None:
+    """c1 holds 120 of the 128 blocks but is predicted slower than c0 recomputing them all
+    (noisy rates, a backlog): within the predictions' recent error the holder is kept; past
+    it, the holder's queue really costs more and c0 serves."""
+    prompt = Prompt(2048, BS)
+    rates = {"c0": rate(0.01, leg=40.0), "c1": rate(0.1, backlog=500.0, leg=5.0)}
+    options = ways(prompt, [], [("c0", 0), ("c1", 120)], rates)
+    by = {w.consumer: w for w in options}
+    assert by["c0"].ttft_ms < by["c1"].ttft_ms < by["c0"].ttft_ms * 1.5
+    choice = choose(options, Target("interactive", explore_share=0.1))
+    assert choice.way is not None and choice.way.consumer == "c0"
+    kept = keep_prefix(choice, options, error_share=0.5)
+    assert kept.way is not None and kept.way.consumer == "c1" and kept.kept_prefix
+    assert kept.explain()["kept_prefix"] is True
+    sure = keep_prefix(choice, options, error_share=0.05)
+    assert sure.way is not None and sure.way.consumer == "c0" and not sure.kept_prefix
+    # A holder that would miss the target is not kept.
+    tight = choose(options, Target("interactive", by["c0"].ttft_ms + 1.0, explore_share=0.1))
+    assert keep_prefix(tight, options, error_share=0.5).way == by["c0"]
+
+
+def test_the_error_share_is_the_geometric_mean_miss() -> None:
+    from pdproxy.routing.kv.latency.rates import PoolRates
+    from pdproxy.settings.scorers import TtftSettings
+
+    rates = PoolRates(TtftSettings())
+    assert rates.error_share == pytest.approx(1.0)  # nothing checked yet: off by 2x
+    for _ in range(200):
+        rates.observe_error(150.0, 100.0)
+        rates.observe_error(100.0, 150.0)
+    assert rates.error_share == pytest.approx(0.5, rel=0.05)
+    rates.observe_error(0.0, 100.0)  # not a prediction: ignored
+    assert rates.error_share == pytest.approx(0.5, rel=0.05)
